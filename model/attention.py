@@ -1,0 +1,89 @@
+"""Multi-head causal self-attention, written out as the formula.
+
+    Q = X W_Q,  K = X W_K,  V = X W_V                       (one fused Linear, split in three)
+    per head h:  S_h = softmax(mask(Q_h K_h^T / sqrt(d_k)))  (mask: -inf strictly above diagonal)
+                 Y_h = S_h V_h
+    Y = concat(Y_1, ..., Y_H) W_O                           (d_k = d_model / H)
+
+`attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
+scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import GPTConfig
+from model.kv_cache import KVCache
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, dropout_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention under a mask; returns (output, probabilities S).
+
+    q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
+    attend to key j (j <= i for causal attention). Dropout applies to S before it weighs V.
+    """
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, Tq, Tk)
+    scores = scores.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
+    probs = F.softmax(scores, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
+    y = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, Tq, hs)
+    return y, probs
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.impl = config.attention
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # allowed[i, j] is True when position i may look at position j, i.e. j <= i.
+        # A buffer (not recomputed per call) so that tests can swap in a leaky mask as a
+        # negative control for the causality checks.
+        allowed = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", allowed, persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
+        earlier ones come from the cache. Returns (y, S) where S is None unless need_weights."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
+        allowed = self.causal_mask[past : past + T, : past + T]  # (T, past + T)
+        dropout_p = self.dropout if self.training else 0.0
+
+        probs = None
+        if self.impl == "manual" or need_weights:
+            y, probs = causal_attention(q, k, v, allowed, dropout_p)
+        else:  # sdpa
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if past == 0 else allowed,
+                dropout_p=dropout_p,
+                is_causal=past == 0,
+            )  # (B, nh, T, hs)
+
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
+        y = self.resid_dropout(self.c_proj(y))  # W_O
+        return y, probs

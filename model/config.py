@@ -1,0 +1,84 @@
+"""GPTConfig: the model's shape as a validated dataclass; the YAML presets in configs/model/."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+ATTENTION_IMPLS = ("manual", "sdpa")
+
+
+@dataclass
+class GPTConfig:
+    """Shape and options of a GPT. Every field is checked on construction so a bad value fails
+    here, with its name, instead of deep inside a matmul."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024  # the longest context the model attends over
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
+    attention: str = "manual"  # manual: our formula | sdpa: torch's fused kernel (reference)
+    tie_embeddings: bool = True  # lm_head shares the token embedding matrix, as GPT-2
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}): "
+                "each head gets d_k = n_embd / n_head dimensions"
+            )
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not (0.0 <= self.dropout < 1.0)
+        ):
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"model.attention={self.attention!r} is unknown; "
+                f"choose one of {list(ATTENTION_IMPLS)}"
+            )
+        for name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        """Build from a mapping (a preset or a Hydra node), naming any key that is not a field."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(fields)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The raw values of configs/model/<name>.yaml (no Hydra needed). `vocab_size: null` in a
+    preset means "the tokenizer's vocabulary size", filled in by whoever knows the tokenizer."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown model preset {name!r}; known presets: {preset_names()}")
+    with open(path) as f:
+        return yaml.safe_load(f)

@@ -1,0 +1,66 @@
+"""Causal self-attention follows the formula: S = softmax(mask(QK^T / sqrt(d_k))), output S V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT
+from model.attention import causal_attention
+from tests.conftest import tiny_config
+
+
+def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(tiny_model):
+    idx = torch.randint(0, 101, (3, 16))
+    S = tiny_model.attention_probs(idx)  # (n_layer, B, nh, T, T)
+    assert S.shape == (2, 3, 2, 16, 16)
+    torch.testing.assert_close(S.sum(-1), torch.ones(2, 3, 2, 16), atol=1e-6, rtol=0)
+    above = torch.ones(16, 16, dtype=torch.bool).triu(diagonal=1)
+    assert (S[..., above] == 0).all()  # exactly zero, not merely small
+    assert (S[..., ~above] > 0).all()  # every allowed key gets some weight
+
+
+def test_attention_probs_ignore_dropout_and_keep_the_mode():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(dropout=0.5)).train()
+    idx = torch.randint(0, 101, (2, 16))
+    torch.testing.assert_close(model.attention_probs(idx), model.attention_probs(idx))
+    assert model.training
+
+
+@pytest.mark.parametrize("B,H,T,dk", [(1, 1, 1, 8), (2, 3, 1, 16), (2, 4, 7, 8), (3, 2, 64, 32)])
+def test_manual_attention_equals_sdpa(B, H, T, dk):
+    q, k, v = (torch.randn(B, H, T, dk) for _ in range(3))
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    ours, _ = causal_attention(q, k, v, allowed)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+
+
+def test_manual_and_sdpa_models_agree_on_the_same_weights():
+    torch.manual_seed(0)
+    manual = GPT(tiny_config(attention="manual")).eval()
+    sdpa = GPT(tiny_config(attention="sdpa")).eval()
+    sdpa.load_state_dict(manual.state_dict())
+    idx = torch.randint(0, 101, (2, 16))
+    torch.testing.assert_close(manual(idx)[0], sdpa(idx)[0], atol=1e-5, rtol=0)
+
+
+def test_dividing_by_sqrt_dk_keeps_score_variance_near_one():
+    torch.manual_seed(0)
+    dk = 256
+    q, k = torch.randn(4096, dk), torch.randn(4096, dk)
+    raw = (q * k).sum(-1)  # 4096 independent dot products
+    assert raw.var().item() == pytest.approx(dk, rel=0.1)  # unscaled: variance d_k
+    assert (raw / dk**0.5).var().item() == pytest.approx(1.0, rel=0.1)  # scaled: about 1
+
+
+def test_loss_is_mean_cross_entropy_of_the_next_token(tiny_model):
+    idx = torch.randint(0, 101, (2, 16))
+    targets = torch.randint(0, 101, (2, 16))
+    logits, loss = tiny_model(idx, targets)
+    assert logits.shape == (2, 16, 101)
+    expected = F.cross_entropy(logits.reshape(-1, 101), targets.reshape(-1))
+    torch.testing.assert_close(loss, expected)
+    assert tiny_model(idx)[1] is None

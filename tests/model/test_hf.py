@@ -1,0 +1,50 @@
+"""GPT-2 weights in the Hugging Face layout load into our model and give the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.hf import load_hf_gpt2
+
+transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
+
+
+@pytest.fixture
+def hf_model():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=101,
+        n_positions=32,
+        n_embd=48,
+        n_layer=3,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_state_dict_gives_the_same_logits(hf_model):
+    ours = load_hf_gpt2(hf_model.state_dict(), n_head=4).eval()
+    idx = torch.randint(0, 101, (2, 32))
+    with torch.no_grad():
+        expected = hf_model(idx).logits
+        got, _ = ours(idx)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert ours.config.block_size == 32 and ours.config.n_layer == 3
+
+
+def test_saved_directory_loads_with_its_config(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)  # config.json + model.safetensors
+    ours = load_hf_gpt2(tmp_path, attention="sdpa").eval()
+    idx = torch.randint(0, 101, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, atol=1e-4, rtol=0)
+    assert ours.config.n_head == 4 and ours.config.attention == "sdpa"
+
+
+def test_missing_n_head_is_a_clear_error(hf_model):
+    with pytest.raises(ValueError, match="n_head"):
+        load_hf_gpt2(hf_model.state_dict())
