@@ -1,0 +1,1 @@
+"""Training: the loop, its schedule and optimizer, checkpoints, logging."""

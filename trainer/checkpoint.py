@@ -1,0 +1,218 @@
+"""Checkpoints: safe to load, atomic to write, verified on read.
+
+Layout of one checkpoint directory (`<run_dir>/checkpoints/last/` or `.../best/`):
+
+    model.safetensors   the weights (tensors only: loading them cannot run code)
+    config.json         {"model": GPTConfig fields, "run": the resolved run config, "meta": {...}}
+    trainer.pt          optimizer, step, RNG and data position; loaded with weights_only=True
+    manifest.json       size and sha256 of each file above; written last
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so a crash at
+any instant leaves either the previous complete checkpoint or the new one, never a mixture.
+Directories without a valid manifest (an interrupted write) are never picked up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model import GPT, GPTConfig
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TRAINER_FILE = "trainer.pt"
+MANIFEST_FILE = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt; the message says which file and why."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: GPT
+    run_config: dict[str, Any]
+    meta: dict[str, Any]
+    trainer_state: dict[str, Any] | None = field(default=None)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def model_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The weights to save: contiguous CPU tensors, the tied head stored once (as wte)."""
+    sd = model.state_dict()
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight")
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: GPT,
+    run_config: dict[str, Any],
+    meta: dict[str, Any],
+    trainer_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete checkpoint at `path`, replacing any previous one atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        save_file(model_state(model), str(tmp / MODEL_FILE))
+        config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        files = [MODEL_FILE, CONFIG_FILE]
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / TRAINER_FILE)
+            files.append(TRAINER_FILE)
+        manifest = {
+            name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name in files
+        }
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        for name in [*files, MANIFEST_FILE]:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        # Swap: move the old checkpoint aside, rename the new one in, then delete the old one.
+        # At every instant either `path` or `old` holds a complete checkpoint.
+        old = path.parent / f".{path.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def recover_interrupted_swap(path: Path) -> None:
+    """If a crash came between moving the old checkpoint aside and renaming the new one in,
+    put the old one back."""
+    old = path.parent / f".{path.name}.old"
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the manifest (sizes and sha256) and return the parsed config.json."""
+    path = Path(path)
+    recover_interrupted_swap(path)
+    manifest_path = path / MANIFEST_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST_FILE})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if file.stat().st_size != expected["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {file} has {file.stat().st_size} bytes, expected "
+                f"{expected['bytes']}: it is truncated or was modified"
+            )
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
+    return json.loads((path / CONFIG_FILE).read_text())
+
+
+def load_checkpoint(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    with_trainer_state: bool = False,
+    **model_overrides: Any,
+) -> Checkpoint:
+    """Load a verified checkpoint. Nothing in it can execute code: weights are safetensors and
+    the trainer state is read with torch.load(weights_only=True).
+    model_overrides replace GPTConfig fields (e.g. attention="sdpa", dropout=0.0)."""
+    path = Path(path)
+    config = verify_checkpoint(path)
+    try:
+        model_config = GPTConfig.from_dict({**config["model"], **model_overrides})
+        model = GPT(model_config)
+        state = load_file(str(path / MODEL_FILE), device="cpu")
+        if model_config.tie_embeddings:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        model.load_state_dict(state)
+    except (SafetensorError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
+    trainer_state = None
+    if with_trainer_state:
+        file = path / TRAINER_FILE
+        if not file.is_file():
+            raise CheckpointError(f"{path} has no trainer state ({TRAINER_FILE}) to resume from")
+        try:
+            trainer_state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means "not loadable"
+            raise CheckpointError(f"cannot load {file} safely: {e}") from None
+    return Checkpoint(path, model.to(device), config["run"], config["meta"], trainer_state)
+
+
+def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
+    """A checkpoint directory from a checkpoint directory, a run directory (its `prefer`
+    checkpoint, else the other), or a `checkpoints/` directory."""
+    path = Path(path).expanduser()
+    candidates = [path]
+    for base in (path / "checkpoints", path):
+        order = (prefer, "last" if prefer == "best" else "best")
+        candidates += [base / name for name in order]
+    for candidate in candidates:
+        recover_interrupted_swap(candidate)
+        if (candidate / MANIFEST_FILE).is_file():
+            return candidate
+    raise CheckpointError(
+        f"no checkpoint found at {path} (looked for {MANIFEST_FILE} in: "
+        + ", ".join(str(c) for c in candidates)
+        + ")"
+    )
+
+
+def latest_checkpoint(runs_root: str | Path = "outputs", prefer: str = "best") -> Path:
+    """The newest run's checkpoint under `runs_root` (Hydra's default output tree)."""
+    root = Path(runs_root).expanduser()
+    manifests = sorted(
+        root.glob(f"**/checkpoints/*/{MANIFEST_FILE}"), key=lambda p: p.stat().st_mtime
+    )
+    manifests = [m for m in manifests if not m.parent.name.startswith(".")]
+    if not manifests:
+        raise CheckpointError(
+            f"no checkpoint found under {root.resolve()}: train one with `python train.py`, "
+            "or pass checkpoint=<run dir>"
+        )
+    return resolve_checkpoint(manifests[-1].parent.parent.parent, prefer)
