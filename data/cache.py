@@ -1,0 +1,67 @@
+"""Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
+
+A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
+every token file has exactly the size it records. ``meta.json`` is written last, and every
+file goes through a temporary name and an atomic rename, so an interrupted preparation never
+leaves something that passes this check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1  # bump when the token file layout changes, to invalidate old caches
+META = "meta.json"
+
+
+def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
+    """sha256 over everything that determines the token files."""
+    blob = json.dumps(
+        {"format": FORMAT_VERSION, "tokenizer": tokenizer, "source": source}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any] | None:
+    """The directory's meta if it is a complete preparation of ``expected_fingerprint``."""
+    try:
+        meta = json.loads((directory / META).read_text())
+        if meta["fingerprint"] != expected_fingerprint:
+            return None
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        for split, stats in meta["splits"].items():
+            if (directory / f"{split}.bin").stat().st_size != stats["tokens"] * itemsize:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path``; rename it to ``path`` only if the block succeeds.
+
+    The temporary name includes the pid so concurrent preparations (e.g. several ranks) never
+    write the same file.
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    with atomic_path(directory / META) as tmp, open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())

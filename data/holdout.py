@@ -1,0 +1,39 @@
+"""Fixed, seeded hold-out of whole documents for sources without their own validation split."""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+
+from datasets import Dataset, IterableDataset
+
+from data.errors import DataError
+
+
+def _in_val(_: dict, index: int, *, seed: int, fraction: float) -> bool:
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def hold_out(
+    ds: Dataset | IterableDataset, fraction: float, seed: int
+) -> tuple[Dataset | IterableDataset, Dataset | IterableDataset]:
+    """Split documents into (train, val); the same seed always holds out the same documents.
+
+    A finite dataset gets an exact seeded split (at least one validation document); a stream
+    has no length, so each document is assigned by a seeded hash of its position.
+    """
+    if not 0 < fraction < 1:
+        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {fraction}")
+    if isinstance(ds, Dataset):
+        if len(ds) < 2:
+            raise DataError(
+                f"val_fraction needs at least 2 documents to hold some out, got {len(ds)}; "
+                "add files or pass val_files"
+            )
+        parts = ds.train_test_split(test_size=fraction, seed=seed)
+        return parts["train"], parts["test"]
+    in_val = partial(_in_val, seed=seed, fraction=fraction)
+    val = ds.filter(in_val, with_indices=True)
+    train = ds.filter(lambda row, i: not in_val(row, i), with_indices=True)
+    return train, val

@@ -1,0 +1,83 @@
+"""Hugging Face hub datasets (and local parquet/json/csv files) through ``datasets.load_dataset``.
+
+Every hub dataset is just a config: ``path``, ``subset``, ``text_field``, ``streaming``,
+``train_split`` and either ``val_split`` or a seeded ``val_fraction`` hold-out. With
+``path: parquet`` (or json, csv) and ``data_files``, the same code reads local files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from data.errors import DataError
+from data.holdout import hold_out
+from data.text_files import expand_files
+
+_CONTENT_KEYS = (
+    "path", "subset", "text_field", "train_split", "val_split", "val_fraction", "seed",
+    "max_documents", "data_files",
+)  # fmt: skip
+
+
+def _local_files(data_files: Any) -> list[Path]:
+    if data_files is None:
+        return []
+    if isinstance(data_files, dict):
+        return [p for v in data_files.values() for p in expand_files(v, "data_files")]
+    return expand_files(data_files, "data_files")
+
+
+def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config identifies a hub dataset; local ``data_files`` also contribute size and mtime."""
+    local = _local_files(cfg.get("data_files"))
+    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local]
+    return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": files}
+
+
+def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
+    """One split with a single ``text`` column, capped at ``max_documents`` if set."""
+    try:
+        ds = datasets.load_dataset(
+            cfg["path"],
+            cfg.get("subset"),
+            split=split,
+            streaming=bool(cfg.get("streaming", False)),
+            data_files=cfg.get("data_files"),
+        )
+    except Exception as e:  # offline, unknown repo, bad split: many exception types
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(
+            f"could not load {cfg['path']!r} (subset={cfg.get('subset')}, split={split}): "
+            f"{type(e).__name__}: {first_line}; check the name and network access"
+        ) from e
+    field = cfg.get("text_field", "text")
+    if ds.column_names is not None and field not in ds.column_names:
+        raise DataError(
+            f"{cfg['path']!r} has no column {field!r} (columns: {', '.join(ds.column_names)}); "
+            "set data.text_field"
+        )
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    limit = cfg.get("max_documents")
+    if limit is not None:
+        ds = (
+            ds.take(limit)
+            if isinstance(ds, datasets.IterableDataset)
+            else ds.select(range(min(limit, len(ds))))
+        )
+    return ds
+
+
+def load(cfg: dict[str, Any]) -> dict[str, datasets.Dataset | datasets.IterableDataset]:
+    """The dataset's own validation split, or a fixed seeded hold-out of the training split."""
+    if "path" not in cfg:
+        raise DataError(f"dataset {cfg.get('name')!r} uses source=hub but sets no data.path")
+    train = load_split(cfg, cfg.get("train_split", "train"))
+    if cfg.get("val_split"):
+        return {"train": train, "val": load_split(cfg, cfg["val_split"])}
+    train, val = hold_out(train, float(cfg.get("val_fraction", 0.005)), int(cfg.get("seed", 0)))
+    return {"train": train, "val": val}

@@ -1,0 +1,49 @@
+"""CLI: ``python -m data.prepare data=<name> [data.key=value ...]`` prepares one dataset.
+
+It prints per-split tokens, bytes and throughput, then one JSON summary line. User mistakes
+print ``error: <msg>`` on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig
+
+from data.config import CONFIG_DIR, known_datasets
+from data.errors import DataError
+from data.pipeline import prepare
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """Compose ``configs/prepare.yaml`` with command-line overrides, as training does."""
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return compose(config_name="prepare", overrides=overrides)
+    except (HydraException, MissingConfigException) as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise DataError(f"{first_line} (known datasets: {', '.join(known_datasets())})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: prepare one dataset and end with a one-line JSON summary."""
+    start = time.perf_counter()
+    try:
+        data = prepare(_compose(sys.argv[1:] if argv is None else argv).data)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {"dataset": data.meta["dataset"]}
+    for split, stats in data.meta["splits"].items():
+        summary[split] = {"tokens": stats["tokens"], "bytes": stats["bytes"]}
+    summary |= {"seconds": round(time.perf_counter() - start, 3), "dir": str(data.dir)}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
