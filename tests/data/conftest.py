@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from data import PreparedData, prepare
+# Tests never touch the network: set before `datasets` is first imported (it reads them once).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from data import PreparedData, prepare  # noqa: E402
 
 
 @pytest.fixture(scope="session")

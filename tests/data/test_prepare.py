@@ -1,0 +1,209 @@
+"""Cache reuse and rebuild, atomicity under SIGKILL, the CLI, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data.pipeline
+from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare
+from data.cache import read_valid_meta
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def text_cfg(tmp_path: Path, **overrides) -> dict:
+    return {"name": "text", "cache_dir": str(tmp_path / "cache"), **overrides}
+
+
+def write_docs(directory: Path, n: int = 5) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = directory / f"doc{i}.txt"
+        path.write_text(
+            f"Document number {i}. " * 50 + "caf\u00e9 \u65e5\u672c\n", encoding="utf-8"
+        )
+        paths.append(path)
+    return paths
+
+
+def fail_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("rebuilt although a valid cache exists")
+
+    monkeypatch.setattr(data.pipeline, "write_split", refuse)
+
+
+def test_known_datasets_have_configs() -> None:
+    assert {"shakespeare", "tinystories", "fineweb_edu", "openwebtext", "text"} <= set(DATASETS)
+
+
+def test_cache_is_reused(shakespeare: PreparedData, monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_builds(monkeypatch)
+    cache_dir = shakespeare.dir.parents[1]
+    again = prepare({"name": "shakespeare", "cache_dir": str(cache_dir)}, verbose=False)
+    assert again.dir == shakespeare.dir and again.meta == shakespeare.meta
+
+
+def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
+    train = write_docs(tmp_path / "docs")
+    val = tmp_path / "val.txt"
+    val.write_text("held out text\n", encoding="utf-8")
+    cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs" / "*.txt")], val_files=[str(val)])
+    first = prepare(cfg, verbose=False)
+    enc = get_tokenizer("gpt2")
+    assert enc.decode(first.tokens("val").tolist()) == "<|endoftext|>held out text\n"
+    assert first.meta["splits"]["train"]["documents"] == len(train)
+    assert prepare(cfg, verbose=False).dir == first.dir
+    train[0].write_text("changed\n", encoding="utf-8")
+    second = prepare(cfg, verbose=False)
+    assert second.dir != first.dir
+    assert "changed" in enc.decode(second.tokens("train").tolist())
+
+
+def test_val_fraction_holds_out_whole_files(tmp_path: Path) -> None:
+    write_docs(tmp_path / "docs", n=10)
+    cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs") + "/*.txt"], val_fraction=0.2)
+    prepared = prepare(cfg, verbose=False)
+    splits = prepared.meta["splits"]
+    assert splits["val"]["documents"] == 2 and splits["train"]["documents"] == 8
+    again = prepare({**cfg, "cache_dir": str(tmp_path / "other")}, verbose=False)
+    assert np.array_equal(again.tokens("val"), prepared.tokens("val"))  # seeded, fixed
+
+
+def test_truncated_token_file_is_rebuilt(shakespeare: PreparedData, tmp_path: Path) -> None:
+    cfg = {"name": "shakespeare", "cache_dir": str(tmp_path)}
+    first = prepare(cfg, verbose=False)
+    expected = np.array(first.tokens("val"))
+    with open(first.dir / "val.bin", "r+b") as f:
+        f.truncate(100)
+    assert read_valid_meta(first.dir, first.meta["fingerprint"]) is None
+    assert np.array_equal(prepare(cfg, verbose=False).tokens("val"), expected)
+
+
+KILLER = """
+import os, signal, sys
+import data.pipeline
+from data import prepare
+
+real, calls = data.pipeline.write_split, []
+
+def write_then_die(*args, **kwargs):
+    stats = real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stats
+
+data.pipeline.write_split = write_then_die
+prepare({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("die_after_split", [1, 2])
+def test_killed_preparation_is_never_used(
+    shakespeare: PreparedData, tmp_path: Path, die_after_split: int
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tmp_path), str(die_after_split)], cwd=ROOT
+    )
+    assert proc.returncode == -9
+    out = tmp_path / "shakespeare" / shakespeare.dir.name
+    assert list(out.glob("*.tmp")), "the kill should have left a temporary file behind"
+    assert not (out / "meta.json").exists()
+    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
+    rebuilt = prepare({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)
+    for split in ("train", "val"):
+        assert np.array_equal(rebuilt.tokens(split), shakespeare.tokens(split))
+
+
+def test_failure_mid_write_leaves_no_token_file(tmp_path: Path, monkeypatch) -> None:
+    real = data.pipeline.write_split
+
+    def write_then_fail(docs, path, *args, **kwargs):
+        real(docs, path, *args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(data.pipeline, "write_split", write_then_fail)
+    cfg = {"name": "shakespeare", "cache_dir": str(tmp_path)}
+    with pytest.raises(OSError, match="disk full"):
+        prepare(cfg, verbose=False)
+    (out,) = (tmp_path / "shakespeare").iterdir()
+    assert list(out.iterdir()) == []
+
+
+def test_cli_prints_summary_json(shakespeare: PreparedData) -> None:
+    cache_dir = shakespeare.dir.parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "data.prepare", "data=shakespeare", f"data.cache_dir={cache_dir}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["dataset"] == "shakespeare"
+    for split in ("train", "val"):
+        assert summary[split]["tokens"] == shakespeare.meta["splits"][split]["tokens"]
+        assert summary[split]["bytes"] == shakespeare.meta["splits"][split]["bytes"]
+    assert summary["seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["data=nope"], "known datasets: fineweb_edu"),
+        (["data=text"], "train_files"),
+        (["data=text", "data.train_files=[/no/such/file.txt]"], "does not exist"),
+    ],
+)
+def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args, f"data.cache_dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_dataset_lists_known(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="known: fineweb_edu, openwebtext, shakespeare, text"):
+        prepare({"name": "nope", "cache_dir": str(tmp_path)})
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("*.missing", None, "matches no files"),
+        ("absent.txt", None, "does not exist"),
+        ("empty.txt", b"", "is empty"),
+        ("bad.txt", b"ok \xff\xfe bad", "not valid UTF-8"),
+    ],
+)
+def test_bad_text_files(tmp_path: Path, name: str, content: bytes | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    files = [str(tmp_path / name)]
+    with pytest.raises(DataError, match=message):
+        prepare(text_cfg(tmp_path, train_files=files, val_files=files), verbose=False)
+
+
+def test_undecodable_bytes_can_be_replaced(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok \xff bad")
+    cfg = text_cfg(
+        tmp_path, train_files=[str(bad)], val_files=[str(bad)], encoding_errors="replace"
+    )
+    text = get_tokenizer("gpt2").decode(prepare(cfg, verbose=False).tokens("train").tolist())
+    assert text == "<|endoftext|>ok \ufffd bad"
+
+
+def test_single_file_cannot_be_held_out(tmp_path: Path) -> None:
+    (doc,) = write_docs(tmp_path, n=1)
+    with pytest.raises(DataError, match="at least 2 documents"):
+        prepare(text_cfg(tmp_path, train_files=[str(doc)]), verbose=False)
