@@ -63,7 +63,12 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
                     f"the {split} split of {cfg['name']!r} has no text (0 documents); "
                     "check the files, text_field or val_fraction"
                 )
-        splits[split] = {"tokens": stats.tokens, "bytes": stats.bytes, "documents": stats.documents}
+        splits[split] = {
+            "tokens": stats.tokens,
+            "bytes": stats.bytes,
+            "documents": stats.documents,
+            "seconds": round(stats.seconds, 3),
+        }
         if verbose:
             print(
                 f"{cfg['name']}/{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "

@@ -15,6 +15,9 @@ from datasets import Dataset, IterableDataset
 from data.tokenizer import get_tokenizer, token_dtype
 
 MAP_BATCH_SIZE = 64
+# Below this many documents per process, starting processes costs more than it saves (measured on
+# shakespeare: 38 plays prepare 2x faster with tokenizer threads in one process).
+MIN_DOCS_PER_PROC = 1000
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,15 @@ def write_split(
     max_tokens: int | None = None,
 ) -> SplitStats:
     """Write the concatenated tokens of ``docs`` to ``path``; stop after the document that
-    reaches ``max_tokens``. A finite dataset is tokenized by ``num_proc`` processes, a stream by
-    ``num_proc`` tokenizer threads."""
+    reaches ``max_tokens``. A large finite dataset is tokenized by ``num_proc`` processes; small
+    ones and streams use ``num_proc`` tokenizer threads in this process."""
     start = time.perf_counter()
     dtype = token_dtype(get_tokenizer(tokenizer).n_vocab)
     num_proc = max(1, num_proc)
     kwargs: dict[str, Any] = {"batched": True, "batch_size": MAP_BATCH_SIZE}
     threads = num_proc
-    if isinstance(docs, Dataset) and min(num_proc, len(docs)) > 1:
-        kwargs["num_proc"], threads = min(num_proc, len(docs)), 1
+    if isinstance(docs, Dataset) and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC:
+        kwargs["num_proc"], threads = num_proc, 1
     tokenized = docs.map(
         encode_documents,
         fn_kwargs={"tokenizer": tokenizer, "num_threads": threads},
