@@ -1,0 +1,55 @@
+"""Console output: a progress bar on a terminal, plain log lines otherwise (logs, CI, pipes)."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+def format_metrics(values: dict[str, float]) -> str:
+    return " ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
+    )
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """Shows training progress; `enabled=False` (non-zero ranks) prints nothing."""
+
+    def __init__(self, total: int, initial: int, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
+
+    def update(self, step: int, values: dict[str, float], eta_seconds: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(format_metrics(values) + f" eta {format_seconds(eta_seconds)}")
+        else:
+            print(
+                f"step {step} | {format_metrics(values)} | eta {format_seconds(eta_seconds)}",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        """A line that stays above the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,113 @@
+"""Device and precision: pick what the machine has, and know its peak FLOP/s for MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from trainer.config import ConfigError
+
+# Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
+# Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
+GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
+    "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 31.2e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 30.3e12},
+    "RTX 4090": {torch.bfloat16: 165e12, torch.float16: 165e12, torch.float32: 82.6e12},
+    "RTX 3090": {torch.bfloat16: 71e12, torch.float16: 71e12, torch.float32: 35.6e12},
+    "V100": {torch.float16: 125e12, torch.float32: 15.7e12},
+    "T4": {torch.float16: 65e12, torch.float32: 8.1e12},
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Precision:
+    device: torch.device
+    dtype: torch.dtype  # the autocast dtype; float32 means no autocast
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @property
+    def needs_grad_scaler(self) -> bool:
+        """float16 gradients underflow without loss scaling; bfloat16 has float32's range."""
+        return self.dtype == torch.float16
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is the best the machine has: CUDA, then Apple's MPS, then the CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA GPU is available; use device=auto or cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available; use device=auto or cpu")
+    return torch.device(name)
+
+
+def resolve_precision(device: torch.device, dtype: str) -> Precision:
+    """`auto`: bfloat16 autocast on GPUs that support it, float16 (with a grad scaler) on older
+    GPUs, float32 elsewhere (bfloat16 on CPU is opt-in: `dtype=bfloat16`)."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            bf16 = torch.cuda.is_bf16_supported()
+            return Precision(device, torch.bfloat16 if bf16 else torch.float16)
+        return Precision(device, torch.float32)
+    if dtype == "float16" and device.type == "cpu":
+        raise ConfigError("dtype=float16 is not supported on CPU; use bfloat16 or float32")
+    return Precision(device, DTYPES[dtype])
+
+
+def configure_backends(device: torch.device) -> None:
+    """TF32 matmuls on CUDA: float32 range, 10-bit mantissa, much faster on Ampere and later."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def peak_flops(precision: Precision) -> tuple[float | None, str]:
+    """The peak FLOP/s that MFU is measured against, and where the figure comes from.
+
+    GPUs: the datasheet figure for this GPU and dtype, or None (no MFU) for an unknown GPU.
+    CPUs: a measured dense-matmul rate on this machine, which is the best the CPU shows.
+    """
+    device, dtype = precision.device, precision.dtype
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in name and dtype in table:
+                return table[dtype], f"{name} datasheet"
+        return None, f"unknown GPU {name!r}: no MFU"
+    if device.type == "cpu":
+        return measured_cpu_matmul_flops(dtype), "measured CPU matmul peak"
+    return None, f"no peak figure for {device.type}: no MFU"
+
+
+@cache
+def measured_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """FLOP/s of a large square matmul on this CPU (best of a few runs, ~0.2 s)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best

@@ -1,0 +1,362 @@
+"""The training loop: next-token prediction with AdamW, evaluation, checkpoints and resume.
+
+One optimizer step = `grad_accum_steps` micro-batches of `batch_size` windows. Everything a
+resumed run needs to continue exactly where it stopped (weights, optimizer, step, RNG, data
+position, best loss, elapsed time) is in the `last` checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data import PreparedData, get_tokenizer, prepare
+from data.sampler import BatchSampler
+from model import GPT, GPTConfig
+from trainer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    recover_interrupted_swap,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from trainer.config import RunConfig
+from trainer.console import Progress, format_seconds
+from trainer.device import configure_backends, peak_flops, resolve_device, resolve_precision
+from trainer.evaluation import EvalResult, evaluate
+from trainer.optim import build_optimizer, lr_at, set_lr
+from trainer.tracking import Tracker
+
+MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message names the step and what was kept."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM arrived; a checkpoint was saved. Carries the signal number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    best_val_loss: float = math.inf
+    elapsed: float = 0.0  # seconds spent in the training loop, summed over resumes
+    skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nan=skip)
+    wandb_id: str | None = None
+
+
+class _StopSignals:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __enter__(self) -> _StopSignals:
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def model_config_for(model_values: dict[str, Any], data: PreparedData) -> GPTConfig:
+    """The model config with `vocab_size: null` filled in from the tokenizer."""
+    values = dict(model_values)
+    if values.get("vocab_size") is None:
+        values["vocab_size"] = data.vocab_size
+    elif values["vocab_size"] < data.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's "
+            f"{data.vocab_size} tokens; set model.vocab_size=null to use the tokenizer's size"
+        )
+    return GPTConfig.from_dict(values)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resolved_config = resolved_config  # what gets saved and sent to wandb
+        torch.manual_seed(cfg.seed)
+
+        self.device = resolve_device(cfg.device)
+        self.precision = resolve_precision(self.device, cfg.dtype)
+        configure_backends(self.device)
+
+        self.data = prepare(cfg.data)
+        self.tokenizer = get_tokenizer(self.data.tokenizer_name)
+        self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
+        self.block_size = self.model.config.block_size
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
+        )
+        self.sampler = BatchSampler(
+            self.data.tokens("train"), self.block_size, cfg.train.batch_size, cfg.seed
+        )
+        self.state = TrainState()
+        self._resume()
+        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+
+    # ----- checkpoints ---------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        source = self._resume_source()
+        if source is None:
+            return
+        ckpt = load_checkpoint(source, with_trainer_state=True)
+        if ckpt.model.config != self.model.config:
+            raise CheckpointError(
+                f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
+                f"run's model is {self.model.config.to_dict()}; resume with the same model config"
+            )
+        state = ckpt.trainer_state
+        self.model.load_state_dict(ckpt.model.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.state = TrainState(**state["train_state"])
+        self.resumed_from = source
+
+    def _resume_source(self) -> Path | None:
+        resume = self.cfg.train.resume
+        if resume is None:
+            return None
+        if resume == "auto":  # continue this run directory if it has a checkpoint
+            last = self.ckpt_dir / "last"
+            recover_interrupted_swap(last)
+            return last if (last / "manifest.json").is_file() else None
+        return resolve_checkpoint(resume, prefer="last")
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "train_state": asdict(self.state),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def _meta(self, **extra: Any) -> dict[str, Any]:
+        return {"step": self.state.step, "tokenizer": self.data.tokenizer_name, **extra}
+
+    def save(self, name: str, with_trainer_state: bool = True, **meta: Any) -> Path:
+        return save_checkpoint(
+            self.ckpt_dir / name,
+            self.model,
+            self.resolved_config,
+            self._meta(**meta),
+            self._trainer_state() if with_trainer_state else None,
+        )
+
+    # ----- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, whole_split: bool = False) -> EvalResult:
+        return evaluate(
+            self.model,
+            self.data.tokens("val"),
+            self.data.bytes_per_token("val"),
+            self.cfg.train.batch_size,
+            self.precision,
+            max_batches=None if whole_split else self.cfg.train.eval_steps,
+        )
+
+    # ----- training ------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss, gradient norm before clipping)."""
+        cfg = self.cfg
+        set_lr(self.optimizer, lr_at(self.state.step, cfg.optim, cfg.train.max_steps))
+        accum = cfg.train.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            x, y = self.sampler.next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                _, loss = self.step_model(x, y)
+            loss = loss / accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler:  # float16 overflow is routine: the scaler lowers its scale and skips
+                self.scaler.update()
+                return loss_sum, grad_norm
+            self._non_finite(loss_sum, grad_norm)
+            return loss_sum, grad_norm
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
+        self.state.skipped_steps += 1
+        if self.cfg.train.on_nan == "skip" and self.state.skipped_steps <= MAX_SKIPPED_STEPS:
+            self.progress.message(f"step {self.state.step + 1}: non-finite {what}; step skipped")
+            return
+        last = self.ckpt_dir / "last"
+        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved"
+        raise TrainingError(
+            f"non-finite {what} at step {self.state.step + 1}; stopping ({kept}). "
+            "Try a lower optim.lr, optim.grad_clip=1.0, or train.on_nan=skip"
+        )
+
+    def run(self) -> dict[str, Any]:
+        """Train to max_steps or max_seconds, then evaluate the whole validation split.
+        Returns the final summary (also printed as the last line, as JSON)."""
+        cfg = self.cfg
+        tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * self.block_size
+        flops_per_token = self.model.flops_per_token(self.block_size)
+        peak, peak_source = peak_flops(self.precision)
+        self.tracker = Tracker(cfg.wandb, self.run_dir, self.resolved_config, self.state.wandb_id)
+        self.state.wandb_id = self.tracker.run_id
+        self.progress = Progress(cfg.train.max_steps, self.state.step)
+        self.progress.message(
+            f"run dir: {self.run_dir}\n"
+            f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
+            f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
+            f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
+            f"tokens\ndevice: {self.device}, {self.precision.dtype}, MFU vs {peak_source}\n"
+            f"{self.tracker.location}"
+        )
+        if getattr(self, "resumed_from", None):
+            self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+
+        exit_code = 1
+        try:
+            with _StopSignals() as stop:
+                self._loop(stop, tokens_per_step, flops_per_token, peak)
+            summary = self._finish()
+            exit_code = 0
+            return summary
+        finally:
+            self.progress.close()
+            self.tracker.finish(exit_code)
+
+    def _out_of_time(self, loop_start: float) -> bool:
+        budget = self.cfg.train.max_seconds
+        return (
+            budget is not None and self.state.elapsed + time.perf_counter() - loop_start >= budget
+        )
+
+    def _loop(
+        self, stop: _StopSignals, tokens_per_step: int, flops_per_token: float, peak: float | None
+    ) -> None:
+        cfg, state = self.cfg.train, self.state
+        loop_start = time.perf_counter()
+        elapsed_at_start = state.elapsed
+        window_start, window_steps = time.perf_counter(), 0
+        while state.step < cfg.max_steps and not self._out_of_time(loop_start):
+            loss, grad_norm = self.train_step()
+            state.step += 1
+            window_steps += 1
+            state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
+            if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
+                now = time.perf_counter()
+                tok_s = window_steps * tokens_per_step / (now - window_start)
+                values = {
+                    "loss": loss.item(),
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "grad_norm": grad_norm.item(),
+                    "tok/s": tok_s,
+                }
+                if peak:
+                    values["mfu"] = tok_s * flops_per_token / peak
+                self.progress.update(state.step, values, self._eta(tok_s, tokens_per_step))
+                self.tracker.log(
+                    {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()},
+                    state.step,
+                )
+                window_start, window_steps = now, 0
+            if cfg.eval_interval and state.step % cfg.eval_interval == 0:
+                self._periodic_eval()
+            if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
+                self.save("last")
+            if stop.signum is not None:
+                path = self.save("last")
+                raise TrainingInterrupted(
+                    stop.signum,
+                    f"stopped by signal {stop.signum} at step {state.step}; checkpoint saved to "
+                    f"{path}. Resume with: python train.py hydra.run.dir={self.run_dir} "
+                    "train.resume=auto",
+                )
+
+    def _eta(self, tok_s: float, tokens_per_step: int) -> float:
+        remaining = (self.cfg.train.max_steps - self.state.step) * tokens_per_step / tok_s
+        if self.cfg.train.max_seconds is not None:
+            remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
+        return remaining
+
+    def _periodic_eval(self) -> EvalResult:
+        result = self.evaluate()
+        improved = result.loss < self.state.best_val_loss
+        if improved:
+            self.state.best_val_loss = result.loss
+            self.save("best", with_trainer_state=False, val_loss=result.loss, val_bpb=result.bpb)
+        self.progress.message(
+            f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
+            f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
+        )
+        self.tracker.log(result.metrics("val"), self.state.step)
+        return result
+
+    def _finish(self) -> dict[str, Any]:
+        """Always save the final state; evaluate the whole validation split."""
+        if self.cfg.train.eval_interval == 0 or self.state.step % self.cfg.train.eval_interval:
+            self._periodic_eval()  # the final model competes for `best` too
+        last = self.save("last")
+        final = self.evaluate(whole_split=True)
+        summary = {
+            "step": self.state.step,
+            "train_seconds": round(self.state.elapsed, 2),
+            "val_loss": round(final.loss, 4),
+            "val_bpb": round(final.bpb, 4),
+            "val_tokens": final.tokens,
+            "checkpoint": str(last),
+            "best_checkpoint": str(self.ckpt_dir / "best"),
+        }
+        self.tracker.log(final.metrics("final_val"), self.state.step)
+        self.tracker.summary(summary)
+        self.progress.close()
+        print(
+            f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}; whole "
+            f"validation split ({final.tokens:,} tokens, non-overlapping windows of "
+            f"{self.block_size}): loss {final.loss:.4f}, bpb {final.bpb:.4f}\n"
+            f"checkpoint: {last} (best: {self.ckpt_dir / 'best'})\n"
+            f"sample: python sample.py checkpoint={self.run_dir}"
+        )
+        print(json.dumps(summary))
+        return summary

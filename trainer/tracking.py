@@ -1,0 +1,93 @@
+"""Weights & Biases tracking: the resolved config, metrics, and sample generations.
+
+`mode=auto` logs online when credentials are present and offline otherwise; an offline run lives
+in `<run_dir>/wandb/` and can be uploaded later with `wandb sync <that dir>`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trainer.config import WandbSettings
+
+
+def resolve_mode(mode: str) -> str:
+    """`auto` -> online if logged in (API key in env, settings or .netrc), else offline."""
+    if mode != "auto":
+        return mode
+    import wandb
+
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+class Tracker:
+    """A thin wrapper so the training loop never checks whether tracking is on."""
+
+    def __init__(
+        self,
+        settings: WandbSettings,
+        run_dir: Path,
+        config: dict[str, Any],
+        resume_id: str | None = None,
+        enabled: bool = True,
+    ):
+        self.run = None
+        self.mode = resolve_mode(settings.mode) if enabled else "disabled"
+        if self.mode == "disabled":
+            return
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")  # our console shows where the run went
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=settings.name,
+            tags=settings.tags,
+            config=config,
+            dir=str(run_dir),
+            mode=self.mode,
+            id=resume_id,
+            resume="allow" if resume_id else None,
+            # System-stats sampling and console capture run in wandb's service process and cost
+            # a large share of a small CPU machine; training metrics are all logged explicitly.
+            settings=wandb.Settings(x_disable_stats=True, console="off"),
+        )
+        self._wandb = wandb
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run else None
+
+    @property
+    def location(self) -> str:
+        """One line for the console: where the run can be seen or how to upload it."""
+        if self.run is None:
+            return "wandb: disabled"
+        if self.mode == "offline":
+            return (
+                f"wandb: offline run in {self.run.dir.removesuffix('/files')} (upload: wandb sync)"
+            )
+        return f"wandb: {self.run.url}"
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run:
+            self.run.log(metrics, step=step)
+
+    def log_samples(self, samples: list[tuple[str, str]], step: int) -> None:
+        """A table of (prompt, completion) rows."""
+        if self.run and samples:
+            table = self._wandb.Table(columns=["step", "prompt", "completion"])
+            for prompt, completion in samples:
+                table.add_data(step, prompt, completion)
+            self.run.log({"samples": table}, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run:
+            self.run.summary.update(values)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run:
+            self.run.finish(exit_code=exit_code)
+            self.run = None
