@@ -1,0 +1,167 @@
+"""`python sample.py`: load a checkpoint, continue a prompt, print (or stream) the samples.
+
+`main(cfg)` is the entry point's whole body; `run(cfg)` does the work and raises on user
+mistakes, which `main` turns into one `error: ...` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from data import get_tokenizer
+from inference.attention_plot import plot_attention, prompt_attention, token_labels
+from inference.generate import SamplingParams, stream_tokens
+from inference.text import TextStream
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SEPARATOR = "---------------"
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: cuda if available, else mps, else cpu; an explicit device must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device={name!r} is not a device; use auto, cpu, cuda or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available here; use device=cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={name} but MPS is not available here; use device=cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on a CUDA GPU that supports it, else float32."""
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is unknown; choose auto or one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_prompt(prompt: Any, prompt_file: str | None) -> str:
+    """The prompt text, from `prompt` or from a UTF-8 `prompt_file` (not both)."""
+    if prompt_file is None:
+        return "" if prompt is None else str(prompt)
+    if prompt:
+        raise ValueError("give either prompt or prompt_file, not both")
+    path = Path(prompt_file).expanduser()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"prompt_file {path.resolve()} does not exist") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"prompt_file {path} is not UTF-8 text (byte {e.start} is invalid); "
+            "convert it to UTF-8, e.g. with iconv"
+        ) from None
+
+
+def sampling_params(cfg: Mapping[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        temperature=cfg["temperature"],
+        top_k=cfg["top_k"],
+        top_p=cfg["top_p"],
+        min_p=cfg["min_p"],
+        repetition_penalty=cfg["repetition_penalty"],
+    )
+
+
+def _int_at_least(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
+    """Sample as configured (see configs/sample.yaml); return the completions (without the
+    prompt). Samples go to `out` (stdout), notes to `err` (stderr). Raises ValueError (and
+    subclasses) or OSError on user mistakes."""
+    out, err = out or sys.stdout, err or sys.stderr
+    params = sampling_params(cfg)  # validate everything cheap before loading a model
+    num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
+    max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
+    stop = [str(s) for s in (cfg["stop"] or [])]
+    prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
+    device = resolve_device(str(cfg["device"]))
+    dtype = resolve_dtype(str(cfg["dtype"]), device)
+
+    path = cfg["checkpoint"]
+    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    ckpt = load_checkpoint(path, device)
+    model = ckpt.model.to(dtype).eval()
+    tokenizer = get_tokenizer(ckpt.run_config.get("data", {}).get("tokenizer", "gpt2"))
+    eot = tokenizer.eot_token
+
+    ids = tokenizer.encode_ordinary(prompt) or [eot]
+    block_size = model.config.block_size
+    if len(ids) > block_size:
+        print(
+            f"warning: the prompt has {len(ids)} tokens, more than block_size={block_size}; "
+            f"using its last {block_size}",
+            file=err,
+        )
+        ids = ids[-block_size:]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+
+    if cfg["attention_plot"]:
+        layer = cfg["attention_layer"]
+        probs = prompt_attention(model, idx, layer)
+        shown = model.config.n_layer - 1 if layer is None else layer % model.config.n_layer
+        last = model.config.n_layer - 1
+        title = f"Causal attention probabilities S, layer {shown} (layers 0 to {last})"
+        plot_attention(probs, token_labels(tokenizer, ids), cfg["attention_plot"], title)
+        print(f"wrote {cfg['attention_plot']}", file=err)
+
+    live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
+    live = live and num_samples == 1  # a batch advances all samples at once: print at the end
+    generator = torch.Generator(device=device).manual_seed(int(cfg["seed"]))
+    texts = [TextStream(tokenizer, stop) for _ in range(num_samples)]
+    if live:
+        out.write(prompt)
+        out.flush()
+    for step in stream_tokens(model, idx, max_new_tokens, params, generator, eot_token=eot):
+        for text, token in zip(texts, step.tolist(), strict=True):
+            piece = text.finish() if token == eot else text.push(token)
+            if live:
+                out.write(piece)
+                out.flush()
+        if all(t.done for t in texts):
+            break
+    for text in texts:
+        piece = text.finish()
+        if live:
+            out.write(piece + "\n")
+        else:
+            out.write(prompt + text.text + "\n" + SEPARATOR + "\n")
+    out.flush()
+    return [t.text for t in texts]
+
+
+def main(cfg: Mapping[str, Any]) -> int:
+    """Run; report a user mistake as one `error:` line on stderr. Returns the exit code."""
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:  # CheckpointError, DataError, UnicodeDecodeError too
+        message = " ".join(str(e).splitlines()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,208 @@
+"""`python sample.py`: samples from a checkpoint; user mistakes are one `error:` line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.cli import main, run
+from trainer.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
+
+SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
+
+
+def sample_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SAMPLE_PY), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_sample_py_runs_from_another_directory_and_prints_the_continued_prompt(run_dir, tmp_path):
+    result = sample_py(
+        f"checkpoint={run_dir}",
+        "prompt='Hello world'",
+        "max_new_tokens=5",
+        "temperature=0",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello world")
+    assert len(result.stdout.splitlines()[0]) > len("Hello world")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # Hydra wrote nothing
+
+
+def test_sample_py_reports_a_bad_value_in_one_line_and_exits_2(run_dir, tmp_path):
+    result = sample_py(f"checkpoint={run_dir}", "top_p=1.5", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: top_p must be in (0, 1]")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_greedy_sampling_is_deterministic_and_sampling_follows_the_seed(run_dir, sample_cfg):
+    def completions(*overrides: str) -> list[str]:
+        return run(sample_cfg(f"checkpoint={run_dir}", "max_new_tokens=12", *overrides))
+
+    assert completions("temperature=0", "seed=1") == completions("temperature=0", "seed=2")
+    assert completions("seed=5", "num_samples=3") == completions("seed=5", "num_samples=3")
+    assert completions("seed=5", "num_samples=3") != completions("seed=6", "num_samples=3")
+
+
+def test_a_stop_string_ends_the_sample_before_it(run_dir, sample_cfg, capsys):
+    cfg = sample_cfg(f"checkpoint={run_dir}", "max_new_tokens=20", "temperature=0")
+    (full,) = run(cfg)
+    stop = full[5:8]  # a piece of what greedy decoding will produce
+    (stopped,) = run(
+        sample_cfg(
+            f"checkpoint={run_dir}",
+            "max_new_tokens=20",
+            "temperature=0",
+            f"stop=[{json.dumps(stop)}]",
+        )
+    )
+    assert stopped == full[: full.index(stop)]
+
+
+def test_an_empty_prompt_starts_from_end_of_text_and_streams(run_dir, sample_cfg, capsys):
+    (text,) = run(
+        sample_cfg(
+            f"checkpoint={run_dir}", "prompt=''", "max_new_tokens=4", "temperature=0", "stream=true"
+        )
+    )
+    assert capsys.readouterr().out == text + "\n"  # streamed: no separator
+
+
+def test_a_prompt_longer_than_block_size_is_cropped_with_a_warning(run_dir, sample_cfg, capsys):
+    run(sample_cfg(f"checkpoint={run_dir}", f"prompt='{' word' * 40}'", "max_new_tokens=2"))
+    assert "warning: the prompt has 40 tokens, more than block_size=32" in capsys.readouterr().err
+
+
+def test_the_attention_plot_is_written(run_dir, sample_cfg, tmp_path):
+    plot = tmp_path / "attention.png"
+    run(
+        sample_cfg(
+            f"checkpoint={run_dir}", "prompt='a b c'", "max_new_tokens=0", f"attention_plot={plot}"
+        )
+    )
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def errors_of(cfg, capsys) -> str:
+    """Run main(cfg); assert it failed as a user mistake; return the error line."""
+    assert main(cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    return err
+
+
+def test_a_missing_checkpoint_says_where_it_looked(sample_cfg, tmp_path, capsys):
+    err = errors_of(sample_cfg(f"checkpoint={tmp_path / 'nope'}"), capsys)
+    assert str(tmp_path / "nope" / "checkpoints" / "best") in err
+
+
+def test_without_a_checkpoint_it_looks_in_outputs(sample_cfg, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = errors_of(sample_cfg(), capsys)
+    assert f"no checkpoint found under {tmp_path / 'outputs'}" in err
+
+
+def test_the_newest_run_in_outputs_is_the_default(run_dir, sample_cfg, tmp_path, monkeypatch):
+    outputs = tmp_path / "work" / "outputs" / "2025-01-01"
+    outputs.mkdir(parents=True)
+    run_dir.rename(outputs / "12-00-00")
+    monkeypatch.chdir(tmp_path / "work")
+    assert len(run(sample_cfg("max_new_tokens=1"))) == 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_checkpoint_is_refused(run_dir, sample_cfg, capsys, damage):
+    weights = run_dir / "checkpoints" / "best" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[len(data) // 2 :]
+    weights.write_bytes(bytes(data))
+    err = errors_of(sample_cfg(f"checkpoint={run_dir}"), capsys)
+    assert "model.safetensors" in err and ("corrupt" in err or "truncated" in err)
+
+
+class RunsCode:
+    """Unpickling this creates the marker file: proof that loading executed code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def plant(checkpoint: Path, name: str, marker: Path) -> None:
+    """Write a malicious pickle as `name` and list it in the manifest with a matching sha256,
+    as an attacker who controls the directory would."""
+    torch.save(RunsCode(marker), checkpoint / name)
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    manifest[name] = {
+        "bytes": (checkpoint / name).stat().st_size,
+        "sha256": _sha256(checkpoint / name),
+    }
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_malicious_trainer_state_is_never_unpickled(run_dir, sample_cfg, tmp_path):
+    checkpoint = run_dir / "checkpoints" / "best"
+    marker = tmp_path / "pwned"
+    plant(checkpoint, "trainer.pt", marker)
+    assert len(run(sample_cfg(f"checkpoint={run_dir}", "max_new_tokens=1"))) == 1  # ignored
+    with pytest.raises(CheckpointError, match="safely"):
+        load_checkpoint(checkpoint, with_trainer_state=True)  # refused when asked for
+    assert not marker.exists()
+
+
+def test_malicious_weights_are_refused_without_running_code(run_dir, sample_cfg, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    plant(run_dir / "checkpoints" / "best", "model.safetensors", marker)
+    err = errors_of(sample_cfg(f"checkpoint={run_dir}"), capsys)
+    assert "cannot load the weights" in err
+    assert not marker.exists()
+
+
+def test_a_prompt_file_that_is_not_utf8_is_refused(run_dir, sample_cfg, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes("café".encode("latin-1"))
+    err = errors_of(sample_cfg(f"checkpoint={run_dir}", f"prompt_file={prompt}"), capsys)
+    assert f"prompt_file {prompt} is not UTF-8 text" in err
+
+
+def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time", encoding="utf-8")
+    run(sample_cfg(f"checkpoint={run_dir}", f"prompt_file={prompt}", "max_new_tokens=1"))
+    assert capsys.readouterr().out.startswith("Once upon a time")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("temperature=-1", "temperature must be >= 0"),
+        ("top_p=0", "top_p must be in (0, 1]"),
+        ("top_p=1.01", "top_p must be in (0, 1]"),
+        ("num_samples=0", "num_samples must be an integer >= 1"),
+        ("dtype=float64", "dtype='float64' is unknown"),
+        ("device=tpu9", "device='tpu9' is not a device"),
+        ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
+        ("attention_plot=x.png attention_layer=7", "attention_layer=7 is out of range"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):
+    err = errors_of(sample_cfg(f"checkpoint={run_dir}", *override.split()), capsys)
+    assert message in err
