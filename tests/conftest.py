@@ -1,11 +1,19 @@
-"""Shared fixtures: small models built from the real presets."""
+"""Shared fixtures: small models built from the real presets, one Shakespeare preparation."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from model import GPT, GPTConfig
+# Tests never touch the network: set before `datasets` is first imported (it reads them once).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from data import PreparedData, prepare  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -18,3 +26,16 @@ def tiny_config(**overrides) -> GPTConfig:
 def tiny_model() -> GPT:
     torch.manual_seed(0)
     return GPT(tiny_config()).eval()
+
+
+@pytest.fixture(scope="session")
+def shakespeare_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A data cache directory holding the prepared Shakespeare data."""
+    cache = tmp_path_factory.mktemp("cache")
+    prepare({"name": "shakespeare", "cache_dir": str(cache)}, verbose=False)
+    return str(cache)
+
+
+@pytest.fixture(scope="session")
+def shakespeare(shakespeare_cache: str) -> PreparedData:
+    return prepare({"name": "shakespeare", "cache_dir": shakespeare_cache}, verbose=False)

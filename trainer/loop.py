@@ -115,6 +115,7 @@ class Trainer:
             self.data.tokens("train"), self.block_size, cfg.train.batch_size, cfg.seed
         )
         self.state = TrainState()
+        self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         self._resume()
         self.step_model = torch.compile(self.model) if cfg.compile else self.model
 
@@ -295,6 +296,7 @@ class Trainer:
                 }
                 if peak:
                     values["mfu"] = tok_s * flops_per_token / peak
+                self.losses[state.step] = values["loss"]
                 self.progress.update(state.step, values, self._eta(tok_s, tokens_per_step))
                 self.tracker.log(
                     {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()},

@@ -1,0 +1,60 @@
+"""Build runs from the real configs (configs/train.yaml), shrunk to a tiny model and budget."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import RunConfig
+from trainer.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = str(ROOT / "configs")
+
+TINY = [
+    "model=nano",
+    "model.block_size=32",
+    "train.batch_size=4",
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.eval_steps=2",
+    "train.ckpt_interval=6",
+    "train.log_interval=1",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "wandb.mode=disabled",
+]
+
+
+def compose_run(data: list[str], *overrides: str) -> tuple[RunConfig, dict]:
+    """The run config of `python train.py <TINY> <data> <overrides>`."""
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        cfg = compose("train", overrides=[*TINY, *data, *overrides])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return RunConfig.from_dict(resolved), resolved
+
+
+def make_trainer(run_dir: Path, data: list[str], *overrides: str) -> Trainer:
+    settings, resolved = compose_run(data, *overrides)
+    return Trainer(settings, run_dir, resolved)
+
+
+def run_script(
+    script: str, *args: str, cwd: Path, timeout: float = 120, **popen
+) -> subprocess.CompletedProcess:
+    """Run one of the entry points as a user would, from `cwd` (not the repository root)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "default"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )

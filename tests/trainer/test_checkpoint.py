@@ -1,0 +1,131 @@
+"""Checkpoints load only what they should, and detect damage."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from model import GPT
+from tests.conftest import tiny_config
+from trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+
+
+def save(path, step=0, **kw):
+    torch.manual_seed(step)
+    return save_checkpoint(
+        path,
+        GPT(tiny_config(**kw)),
+        {"data": {"tokenizer": "gpt2"}},
+        {"step": step},
+        {"step": step, "rng": torch.get_rng_state()},
+    )
+
+
+def test_round_trip_keeps_weights_config_and_trainer_state(tmp_path):
+    torch.manual_seed(3)
+    model = GPT(tiny_config(attention="sdpa"))
+    save_checkpoint(tmp_path / "c", model, {"x": 1}, {"step": 7}, {"step": 7})
+    ckpt = load_checkpoint(tmp_path / "c", with_trainer_state=True)
+    assert ckpt.model.config == model.config and ckpt.run_config == {"x": 1}
+    assert ckpt.meta == {"step": 7} and ckpt.trainer_state == {"step": 7}
+    for (k, a), (_, b) in zip(
+        model.state_dict().items(), ckpt.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), k
+    assert ckpt.model.lm_head.weight is ckpt.model.transformer.wte.weight  # still tied
+
+
+def test_untied_head_round_trips(tmp_path):
+    save(tmp_path / "c", tie_embeddings=False)
+    model = load_checkpoint(tmp_path / "c").model
+    assert model.lm_head.weight is not model.transformer.wte.weight
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_no_debris(tmp_path):
+    save(tmp_path / "last", step=1)
+    save(tmp_path / "last", step=2)
+    assert load_checkpoint(tmp_path / "last").meta["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["last"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_files_are_detected(tmp_path, damage):
+    path = save(tmp_path / "c")
+    weights = path / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        match = "truncated"
+    elif damage == "flip":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 1
+        weights.write_bytes(bytes(data))
+        match = "sha256"
+    else:
+        weights.unlink()
+        match = "missing"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_crafted_pickle_never_executes(tmp_path):
+    path = save(tmp_path / "c")
+    marker = tmp_path / "pwned"
+    (path / "trainer.pt").write_bytes(pickle.dumps({"step": _Exploit(marker)}))
+    # Even with a manifest that vouches for it, loading refuses and runs nothing.
+    import hashlib
+    import json
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    blob = (path / "trainer.pt").read_bytes()
+    manifest["trainer.pt"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="safely"):
+        load_checkpoint(path, with_trainer_state=True)
+    assert not marker.exists()
+
+
+def test_missing_checkpoint_says_where_it_looked(tmp_path):
+    with pytest.raises(CheckpointError, match=str(tmp_path / "run" / "checkpoints" / "best")):
+        resolve_checkpoint(tmp_path / "run")
+
+
+def test_run_dir_resolves_to_best_then_last(tmp_path):
+    save(tmp_path / "run" / "checkpoints" / "last")
+    assert resolve_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "last"
+    save(tmp_path / "run" / "checkpoints" / "best")
+    assert resolve_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "best"
+    assert resolve_checkpoint(tmp_path / "run", prefer="last").name == "last"
+
+
+def test_crash_between_the_two_renames_is_recovered(tmp_path):
+    save(tmp_path / "last", step=5)
+    os.replace(tmp_path / "last", tmp_path / ".last.old")  # as if the process died right here
+    assert load_checkpoint(tmp_path / "last").meta["step"] == 5
+
+
+def test_latest_checkpoint_is_the_newest_run(tmp_path):
+    save(tmp_path / "outputs" / "a" / "checkpoints" / "best", step=1)
+    newer = tmp_path / "outputs" / "b" / "checkpoints" / "best"
+    save(newer, step=2)
+    os.utime(newer / "manifest.json", (2e9, 2e9))
+    assert latest_checkpoint(tmp_path / "outputs") == newer
+    with pytest.raises(CheckpointError, match="python train.py"):
+        latest_checkpoint(tmp_path / "nothing")

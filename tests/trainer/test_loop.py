@@ -1,0 +1,173 @@
+"""The training loop learns, resumes exactly, and never loses a complete checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config
+from tests.trainer.helpers import make_trainer
+from tests.trainer.wandb_records import logged
+from model import GPT
+from trainer.checkpoint import CheckpointError, load_checkpoint
+from trainer.config import OptimSettings
+from trainer.loop import TrainingError
+from trainer.optim import build_optimizer
+
+
+class Crash(Exception):
+    """Stands in for a process dying mid-run."""
+
+
+def crash_at(trainer, step: int) -> None:
+    """Make `trainer` die at the start of optimizer step `step` (1-based)."""
+    original = trainer.train_step
+
+    def train_step():
+        if trainer.state.step + 1 == step:
+            raise Crash
+        return original()
+
+    trainer.train_step = train_step
+
+
+def test_loss_falls(tmp_path, corpus):
+    trainer = make_trainer(tmp_path, corpus, "train.max_steps=30", "train.eval_interval=0")
+    trainer.run()
+    first, last = trainer.losses[1], trainer.losses[30]
+    assert last < first - 1.0, (first, last)
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    optimizer = build_optimizer(
+        model, OptimSettings(lr=1e-2, weight_decay=0.0), torch.device("cpu")
+    )
+    x = torch.randint(0, 101, (2, 16))
+    y = torch.randint(0, 101, (2, 16))
+    for _ in range(150):
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert loss.item() < 0.05
+
+
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus):
+    overrides = ("model.dropout=0.1",)  # dropout: the RNG state must be restored too
+    straight = make_trainer(tmp_path / "a", corpus, *overrides)
+    straight.run()
+
+    crashed = make_trainer(tmp_path / "b", corpus, *overrides)
+    crash_at(crashed, 9)  # the last checkpoint was written after step 6
+    with pytest.raises(Crash):
+        crashed.run()
+    resumed = make_trainer(tmp_path / "b", corpus, *overrides, "train.resume=auto")
+    assert resumed.state.step == 6
+    resumed.run()
+
+    assert {s: resumed.losses[s] for s in range(7, 13)} == {
+        s: straight.losses[s] for s in range(7, 13)
+    }  # bit-identical, not merely close
+    for (name, a), (_, b) in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, corpus, monkeypatch):
+    trainer = make_trainer(tmp_path, corpus)
+    import trainer.checkpoint as checkpoint
+
+    real_save = checkpoint.torch.save
+    calls = {"n": 0}
+
+    def dying_save(obj, path, *a, **k):  # the second `last` save dies half-way through
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with open(path, "wb") as f:
+                f.write(b"half a file")
+            raise Crash
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch, "save", dying_save)
+    with pytest.raises(Crash):
+        trainer.run()
+    last = load_checkpoint(tmp_path / "checkpoints" / "last", with_trainer_state=True)
+    assert last.meta["step"] == 6 and last.trainer_state["train_state"]["step"] == 6
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "last"]
+
+
+def test_a_directory_without_manifest_is_not_resumed_from(tmp_path, corpus):
+    partial = tmp_path / "checkpoints" / "last"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"partial")
+    trainer = make_trainer(tmp_path, corpus, "train.resume=auto")
+    assert trainer.state.step == 0  # started fresh
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        make_trainer(tmp_path / "x", corpus, f"train.resume={partial}")
+
+
+def test_resume_from_a_corrupt_checkpoint_is_a_clear_error(tmp_path, corpus):
+    make_trainer(tmp_path, corpus, "train.max_steps=6").run()
+    weights = tmp_path / "checkpoints" / "last" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        make_trainer(tmp_path, corpus, "train.resume=auto")
+
+
+@pytest.mark.parametrize("where", ["loss", "gradients"])
+def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, corpus, where):
+    trainer = make_trainer(tmp_path, corpus)
+    poison_at = 8
+    if where == "loss":
+        forward = trainer.model.forward
+
+        def nan_forward(idx, targets=None, cache=None):
+            logits, loss = forward(idx, targets, cache)
+            if trainer.state.step + 1 == poison_at:
+                loss = loss * float("nan")
+            return logits, loss
+
+        trainer.step_model = nan_forward
+    else:
+        trainer.model.transformer.wte.weight.register_hook(
+            lambda g: g * float("nan") if trainer.state.step + 1 == poison_at else g
+        )
+    with pytest.raises(TrainingError, match=f"non-finite .* at step {poison_at}"):
+        trainer.run()
+    last = load_checkpoint(tmp_path / "checkpoints" / "last")
+    assert last.meta["step"] == 6
+    assert all(torch.isfinite(p).all() for p in last.model.parameters())
+
+
+def test_on_nan_skip_skips_the_step_and_goes_on(tmp_path, corpus):
+    trainer = make_trainer(tmp_path, corpus, "train.on_nan=skip")
+    forward = trainer.model.forward
+
+    def nan_forward(idx, targets=None, cache=None):
+        logits, loss = forward(idx, targets, cache)
+        return logits, loss * float("nan") if trainer.state.step + 1 == 4 else loss
+
+    trainer.step_model = nan_forward
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    summary = trainer.run()
+    assert summary["step"] == 12 and trainer.state.skipped_steps == 1
+    assert not torch.equal(before["lm_head.weight"], trainer.model.lm_head.weight)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
+    make_trainer(tmp_path, corpus, "wandb.mode=offline").run()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    config, history = logged(run_file)
+    assert '"batch_size":4' in config["train"].replace(" ", "")
+    assert '"n_layer":2' in config["model"].replace(" ", "")
+    keys = set().union(*history)
+    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss", "val/bpb"} <= keys
+    assert {"final_val/loss", "final_val/bpb"} <= keys
+    losses = [float(row["train/loss"]) for row in history if "train/loss" in row]
+    assert len(losses) == 12
