@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import make_trainer
 from tests.trainer.wandb_records import logged
-from model import GPT
 from trainer.checkpoint import CheckpointError, load_checkpoint
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
