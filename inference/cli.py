@@ -11,12 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+import tiktoken
 import torch
 
 from data import get_tokenizer
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
+from model import GPT
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +84,18 @@ def sampling_params(cfg: Mapping[str, Any]) -> SamplingParams:
     )
 
 
+def write_attention_plot(
+    model: GPT, tokenizer: tiktoken.Encoding, ids: list[int], layer: int | None, path: str
+) -> None:
+    """Draw the prompt's attention probabilities S of `layer` (default the last) to `path`."""
+    idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
+    probs = prompt_attention(model, idx, layer)
+    n_layer = model.config.n_layer
+    shown = n_layer - 1 if layer is None else layer % n_layer
+    title = f"Causal attention probabilities S, layer {shown} (layers 0 to {n_layer - 1})"
+    plot_attention(probs, token_labels(tokenizer, ids), path, title)
+
+
 def _int_at_least(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -96,6 +110,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     params = sampling_params(cfg)  # validate everything cheap before loading a model
     num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
     max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
+    seed = _int_at_least("seed", cfg["seed"], 0)
     stop = [str(s) for s in (cfg["stop"] or [])]
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     device = resolve_device(str(cfg["device"]))
@@ -120,17 +135,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
 
     if cfg["attention_plot"]:
-        layer = cfg["attention_layer"]
-        probs = prompt_attention(model, idx, layer)
-        shown = model.config.n_layer - 1 if layer is None else layer % model.config.n_layer
-        last = model.config.n_layer - 1
-        title = f"Causal attention probabilities S, layer {shown} (layers 0 to {last})"
-        plot_attention(probs, token_labels(tokenizer, ids), cfg["attention_plot"], title)
+        write_attention_plot(model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"])
         print(f"wrote {cfg['attention_plot']}", file=err)
 
     live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
-    generator = torch.Generator(device=device).manual_seed(int(cfg["seed"]))
+    generator = torch.Generator(device=device).manual_seed(seed)
     texts = [TextStream(tokenizer, stop) for _ in range(num_samples)]
     if live:
         out.write(prompt)

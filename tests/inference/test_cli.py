@@ -197,6 +197,7 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("top_p=0", "top_p must be in (0, 1]"),
         ("top_p=1.01", "top_p must be in (0, 1]"),
         ("num_samples=0", "num_samples must be an integer >= 1"),
+        ("seed=null", "seed must be an integer >= 0"),
         ("dtype=float64", "dtype='float64' is unknown"),
         ("device=tpu9", "device='tpu9' is not a device"),
         ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
