@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from data import iter_eval_batches
+from data import get_tokenizer, iter_eval_batches, prepare
 from model import GPT
-from trainer.device import Precision
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from trainer.device import Precision, resolve_device, resolve_precision
 
 
 @dataclass
@@ -29,6 +33,33 @@ class EvalResult:
         }
 
 
+def sliding_windows(
+    tokens: np.ndarray, block_size: int, stride: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) batches of windows every `stride` tokens; y is -1 (ignored) except on the last
+    `stride` positions of each window (all of the first), so every token after the first is
+    scored exactly once, with at least block_size - stride tokens of context once past the start.
+    """
+    n = len(tokens) - 1  # tokens that can be predicted
+    starts = list(range(0, max(n - block_size, 0) + 1, stride))
+    if starts[-1] + block_size < n:  # a final window flush with the end
+        starts.append(n - block_size)
+    rows_x, rows_y, scored_to = [], [], 0
+    for start in starts:
+        end = min(start + block_size, n)
+        x = torch.from_numpy(tokens[start:end].astype(np.int64))
+        y = torch.from_numpy(tokens[start + 1 : end + 1].astype(np.int64))
+        y[: max(scored_to - start, 0)] = -1  # already scored by an earlier window
+        scored_to = end
+        rows_x.append(x)
+        rows_y.append(y)
+        if len(rows_x) == batch_size:
+            yield torch.stack(rows_x), torch.stack(rows_y)
+            rows_x, rows_y = [], []
+    if rows_x:
+        yield torch.stack(rows_x), torch.stack(rows_y)
+
+
 @torch.no_grad()
 def evaluate(
     model: GPT,
@@ -37,21 +68,29 @@ def evaluate(
     batch_size: int,
     precision: Precision,
     max_batches: int | None = None,
+    stride: int | None = None,
 ) -> EvalResult:
-    """Loss over `tokens` in windows of block_size (see `data.iter_eval_batches`): the whole split,
-    or with max_batches the same evenly spaced subset on every call, so successive periodic
-    evaluations are comparable."""
+    """Loss over `tokens` in windows of block_size: by default non-overlapping windows (see
+    `data.iter_eval_batches`) over the whole split, or with max_batches the same evenly spaced
+    subset on every call, so successive periodic evaluations are comparable. With `stride`,
+    sliding windows (see `sliding_windows`): more context per token, block_size / stride times
+    the compute."""
     was_training = model.training
     model.eval()
     block_size = model.config.block_size
+    if stride is None:
+        batches = iter_eval_batches(tokens, block_size, batch_size, max_batches)
+    else:
+        batches = sliding_windows(tokens, block_size, stride, batch_size)
     total_nats, total_tokens, batch_losses = 0.0, 0, []
-    for x, y in iter_eval_batches(tokens, block_size, batch_size, max_batches):
+    for x, y in batches:
         x, y = x.to(precision.device), y.to(precision.device)
         with precision.autocast():
             _, loss = model(x, y)
+        scored = int((y != -1).sum())
         batch_losses.append(loss.item())
-        total_nats += batch_losses[-1] * y.numel()
-        total_tokens += y.numel()
+        total_nats += batch_losses[-1] * scored
+        total_tokens += scored
     model.train(was_training)
     mean = total_nats / total_tokens
     spread = float(np.std(batch_losses, ddof=1)) if len(batch_losses) > 1 else float("nan")
@@ -62,3 +101,50 @@ def evaluate(
         bytes=total_tokens * bytes_per_token,
         stderr=spread / math.sqrt(len(batch_losses)),
     )
+
+
+def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
+    split, or on any UTF-8 `text_file`. See configs/evaluate.yaml for the keys."""
+    path = cfg["checkpoint"]
+    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    device = resolve_device(cfg["device"])
+    precision = resolve_precision(device, cfg["dtype"])
+    ckpt = load_checkpoint(path, device)
+    tokenizer_name = ckpt.meta.get("tokenizer") or ckpt.run_config["data"]["tokenizer"]
+    if cfg["text_file"]:
+        file = Path(cfg["text_file"]).expanduser()
+        if not file.is_file():
+            raise FileNotFoundError(f"text_file {file.resolve()} does not exist")
+        raw = file.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"text_file {file} is not UTF-8 (invalid byte at {e.start})") from None
+        tokenizer = get_tokenizer(tokenizer_name)
+        tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
+        source, nbytes = str(file), len(raw)
+    else:
+        data = prepare(ckpt.run_config["data"], verbose=False)
+        tokens = data.tokens("val")
+        source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
+    stride = cfg["stride"]
+    if stride is not None and not (
+        isinstance(stride, int) and 0 < stride <= ckpt.model.config.block_size
+    ):
+        raise ValueError(f"stride must be null or an integer in [1, block_size], got {stride!r}")
+    # Every token but the first is predicted, and together they span all the bytes.
+    result = evaluate(
+        ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision, stride=stride
+    )
+    window = "non-overlapping windows" if stride is None else f"sliding windows, stride {stride}"
+    return {
+        "checkpoint": str(path),
+        "data": source,
+        "loss": round(result.loss, 5),
+        "bpb": round(result.bpb, 5),
+        "tokens": result.tokens,
+        "bytes": nbytes,
+        "block_size": ckpt.model.config.block_size,
+        "method": window,
+    }

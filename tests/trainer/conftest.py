@@ -23,3 +23,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         f"data.val_files=[{val}]",
         f"data.cache_dir={root / 'cache'}",
     ]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus: list[str]) -> Path:
+    """A run directory with `last` and `best` checkpoints of a tiny model (12 steps)."""
+    from tests.trainer.helpers import make_trainer
+
+    run_dir = tmp_path_factory.mktemp("run")
+    make_trainer(run_dir, corpus).run()
+    return run_dir

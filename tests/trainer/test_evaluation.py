@@ -1,0 +1,96 @@
+"""Evaluation scores every token exactly once and reports loss in nats and bits per byte."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT
+from tests.conftest import tiny_config
+from tests.trainer.helpers import run_script
+from trainer.device import Precision
+from trainer.evaluation import evaluate, sliding_windows
+
+CPU = Precision(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("n, block, stride", [(23, 8, 3), (40, 8, 8), (9, 8, 1), (5, 8, 4)])
+def test_sliding_windows_score_each_token_once_with_the_right_target(n, block, stride):
+    tokens = np.arange(n)  # token value == position: a target is right iff it is x + 1
+    scored = []
+    for x, y in sliding_windows(tokens, block, stride, batch_size=3):
+        keep = y != -1
+        assert torch.equal(y[keep], x[keep] + 1)
+        scored += y[keep].tolist()
+    assert sorted(scored) == list(range(1, n))
+
+
+def test_loss_is_the_mean_over_every_token_and_bpb_follows():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    tokens = np.random.default_rng(0).integers(0, 101, 70)
+    result = evaluate(model, tokens, bytes_per_token=2.5, batch_size=2, precision=CPU)
+    with torch.no_grad():
+        losses = []
+        for start in range(0, 69, 16):  # non-overlapping windows, the last one short
+            x = torch.tensor(tokens[start : min(start + 16, 69)])[None]
+            y = torch.tensor(tokens[start + 1 : min(start + 17, 70)])[None]
+            losses.append(F.cross_entropy(model(x)[0][0], y[0], reduction="none"))
+    expected = torch.cat(losses).mean().item()
+    assert result.tokens == 69
+    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.bpb == pytest.approx(expected / math.log(2) / 2.5, rel=1e-6)
+
+
+def test_stride_equal_to_block_size_is_the_non_overlapping_method():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    tokens = np.random.default_rng(1).integers(0, 101, 97)
+    plain = evaluate(model, tokens, 1.0, 4, CPU)
+    strided = evaluate(model, tokens, 1.0, 4, CPU, stride=16)
+    assert strided.tokens == plain.tokens == 96
+    assert strided.loss == pytest.approx(plain.loss, rel=1e-6)
+
+
+def test_evaluate_py_prints_one_json_line(trained_run, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Friends, Romans, countrymen, lend me your ears. " * 20)
+    result = run_script(
+        "evaluate.py", f"checkpoint={trained_run}", f"text_file={text}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["bytes"] == len(text.read_bytes()) and out["tokens"] > 100
+    assert out["method"] == "non-overlapping windows"
+    assert out["bpb"] == pytest.approx(
+        out["loss"] * out["tokens"] / out["bytes"] / math.log(2), rel=1e-3
+    )
+
+
+def test_evaluate_py_on_the_validation_split(trained_run, tmp_path):
+    result = run_script("evaluate.py", f"checkpoint={trained_run}", "stride=16", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["data"] == "text/val" and out["method"] == "sliding windows, stride 16"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["checkpoint=/no/such/run"], "error: no checkpoint found at /no/such/run"),
+        (["text_file=bad.txt"], "error: text_file bad.txt is not UTF-8"),
+        (["stride=0"], "error: stride must be"),
+    ],
+)
+def test_evaluate_py_bad_input(trained_run, tmp_path, args, message):
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe not utf-8")
+    if not args[0].startswith("checkpoint"):
+        args.append(f"checkpoint={trained_run}")
+    result = run_script("evaluate.py", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and "Traceback" not in result.stderr
