@@ -7,6 +7,8 @@
 
 `attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
 scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
+`attention: flash` computes the same thing tile by tile without ever storing S, so its memory
+grows linearly with T (model/flash_attention.py); asking for the weights S falls back to manual.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import GPTConfig
+from model.flash_attention import flash_causal_attention
 from model.kv_cache import KVCache
 
 
@@ -44,6 +47,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.impl = config.attention
+        self.flash_blocks = (config.flash_block_q, config.flash_block_k)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -74,6 +78,8 @@ class CausalSelfAttention(nn.Module):
         probs = None
         if self.impl == "manual" or need_weights:
             y, probs = causal_attention(q, k, v, allowed, dropout_p)
+        elif self.impl == "flash":  # the queries are the last T of the past + T keys
+            y = flash_causal_attention(q, k, v, *self.flash_blocks, dropout_p)  # (B, nh, T, hs)
         else:  # sdpa
             y = F.scaled_dot_product_attention(
                 q,

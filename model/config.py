@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
-ATTENTION_IMPLS = ("manual", "sdpa")
+ATTENTION_IMPLS = ("manual", "sdpa", "flash")
 
 
 @dataclass
@@ -25,11 +25,17 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
-    attention: str = "manual"  # manual: our formula | sdpa: torch's fused kernel (reference)
+    # manual: our formula | sdpa: torch's fused kernel (reference) | flash: our tiled
+    # FlashAttention, memory linear in T (model/flash_attention.py)
+    attention: str = "manual"
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix, as GPT-2
+    # flash's tiles: queries x keys per tile; the defaults were the fastest measured on CPU
+    flash_block_q: int = 64
+    flash_block_k: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        positive = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+        for name in (*positive, "flash_block_q", "flash_block_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
