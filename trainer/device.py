@@ -102,8 +102,9 @@ def peak_flops(precision: Precision) -> tuple[float | None, str]:
 @cache
 def measured_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
     """FLOP/s of a large square matmul on this CPU (best of a few runs, ~0.2 s)."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
+    a = torch.randn(n, n, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, dtype=dtype, generator=generator)
     a @ b  # warm up
     best = float("inf")
     for _ in range(5):

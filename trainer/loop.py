@@ -19,6 +19,7 @@ import torch
 
 from data import PreparedData, get_tokenizer, prepare
 from data.sampler import BatchSampler
+from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig
 from trainer.checkpoint import (
     CheckpointError,
@@ -333,7 +334,32 @@ class Trainer:
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
         self.tracker.log(result.metrics("val"), self.state.step)
+        if self.tracker.run is not None and self.cfg.train.sample_tokens:
+            self.tracker.log_samples(self._samples(), self.state.step)
         return result
+
+    def _samples(self) -> list[tuple[str, str]]:
+        """Completions of two fixed prompts (nothing, and the validation text's opening), drawn
+        with their own seeded generator so that training's RNG stream is untouched."""
+        eot = self.tokenizer.eot_token
+        opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
+        generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
+        params = SamplingParams(temperature=0.8, top_k=200)
+        was_training = self.model.training
+        self.model.eval()
+        rows = []
+        for prompt in ([eot], opening):
+            idx = torch.tensor([prompt], device=self.device)
+            with self.precision.autocast():
+                out = generate(
+                    self.model, idx, self.cfg.train.sample_tokens, params, generator, eot_token=eot
+                )
+            new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
+            rows.append(
+                (self.tokenizer.decode([t for t in prompt if t != eot]), self.tokenizer.decode(new))
+            )
+        self.model.train(was_training)
+        return rows
 
     def _finish(self) -> dict[str, Any]:
         """Always save the final state; evaluate the whole validation split."""

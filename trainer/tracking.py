@@ -34,6 +34,8 @@ class Tracker:
         enabled: bool = True,
     ):
         self.run = None
+        self._pending: dict[str, Any] = {}  # metrics of the current step, sent as one row
+        self._pending_step: int | None = None
         self.mode = resolve_mode(settings.mode) if enabled else "disabled"
         if self.mode == "disabled":
             return
@@ -71,9 +73,20 @@ class Tracker:
             )
         return f"wandb: {self.run.url}"
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.run:
-            self.run.log(metrics, step=step)
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Metrics of one step may come in several calls; they reach wandb as one history row
+        when the step changes or the run finishes."""
+        if self.run is None:
+            return
+        if self._pending_step is not None and step != self._pending_step:
+            self._flush()
+        self._pending.update(metrics)
+        self._pending_step = step
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.run.log(self._pending, step=self._pending_step)
+        self._pending = {}
 
     def log_samples(self, samples: list[tuple[str, str]], step: int) -> None:
         """A table of (prompt, completion) rows."""
@@ -81,7 +94,7 @@ class Tracker:
             table = self._wandb.Table(columns=["step", "prompt", "completion"])
             for prompt, completion in samples:
                 table.add_data(step, prompt, completion)
-            self.run.log({"samples": table}, step=step)
+            self.log({"samples": table}, step)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run:
@@ -89,5 +102,6 @@ class Tracker:
 
     def finish(self, exit_code: int = 0) -> None:
         if self.run:
+            self._flush()
             self.run.finish(exit_code=exit_code)
             self.run = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -171,3 +173,10 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
     assert {"final_val/loss", "final_val/bpb"} <= keys
     losses = [float(row["train/loss"]) for row in history if "train/loss" in row]
     assert len(losses) == 12
+    tables = [json.loads(row["samples/path"]) for row in history if "samples/path" in row]
+    assert len(tables) == 2  # one table of samples per evaluation (steps 6 and 12)
+    for table in tables:
+        (file,) = tmp_path.glob(f"wandb/offline-run-*/files/{table}")
+        rows = json.loads(file.read_text())
+        assert rows["columns"] == ["step", "prompt", "completion"] and len(rows["data"]) == 2
+        assert all(isinstance(completion, str) for _, _, completion in rows["data"])
