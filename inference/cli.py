@@ -20,38 +20,9 @@ from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
 from model import GPT
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from trainer.device import resolve_device, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SEPARATOR = "---------------"
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto`: cuda if available, else mps, else cpu; an explicit device must exist."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device={name!r} is not a device; use auto, cpu, cuda or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name} but CUDA is not available here; use device=cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device={name} but MPS is not available here; use device=cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on a CUDA GPU that supports it, else float32."""
-    if name == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is unknown; choose auto or one of {list(DTYPES)}")
-    return DTYPES[name]
 
 
 def read_prompt(prompt: Any, prompt_file: str | None) -> str:

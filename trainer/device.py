@@ -47,31 +47,42 @@ class Precision:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is the best the machine has: CUDA, then Apple's MPS, then the CPU."""
+    """`auto` is the best the machine has: CUDA, then Apple's MPS, then the CPU. An explicit
+    device (cpu, cuda, cuda:1, mps) must exist."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA GPU is available; use device=auto or cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device=mps but MPS is not available; use device=auto or cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but no CUDA GPU is available; use device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={name} but MPS is not available; use device=auto or cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on GPUs that support it, float16 on older GPUs, float32 elsewhere
+    (bfloat16 on CPU is opt-in: `dtype=bfloat16`)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r} is unknown; choose auto or one of {list(DTYPES)}")
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("dtype=float16 is not supported on CPU; use bfloat16 or float32")
+    return DTYPES[name]
 
 
 def resolve_precision(device: torch.device, dtype: str) -> Precision:
-    """`auto`: bfloat16 autocast on GPUs that support it, float16 (with a grad scaler) on older
-    GPUs, float32 elsewhere (bfloat16 on CPU is opt-in: `dtype=bfloat16`)."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            bf16 = torch.cuda.is_bf16_supported()
-            return Precision(device, torch.bfloat16 if bf16 else torch.float16)
-        return Precision(device, torch.float32)
-    if dtype == "float16" and device.type == "cpu":
-        raise ConfigError("dtype=float16 is not supported on CPU; use bfloat16 or float32")
-    return Precision(device, DTYPES[dtype])
+    """The autocast precision for training: see `resolve_dtype`."""
+    return Precision(device, resolve_dtype(dtype, device))
 
 
 def configure_backends(device: torch.device) -> None:
