@@ -160,8 +160,8 @@ def flash_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    block_q: int = 64,
-    block_k: int = 64,
+    block_q: int = 128,
+    block_k: int = 128,
     dropout_p: float = 0.0,
     seed: int | None = None,
 ) -> torch.Tensor:
