@@ -120,12 +120,26 @@ class WandbSettings:
 
 
 @dataclass
+class ParallelSettings:
+    """Multi-process training under torchrun; a single process ignores this section."""
+
+    strategy: str = "ddp"  # ddp: a full replica per rank | fsdp: weights, grads, optimizer sharded
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the job (a rank died)
+
+    def __post_init__(self) -> None:
+        _choice("parallel.strategy", self.strategy, ("ddp", "fsdp"))
+        if _number("parallel.timeout_s", self.timeout_s) <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
 class RunConfig:
     model: dict[str, Any]
     data: dict[str, Any]
     train: TrainSettings = field(default_factory=TrainSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -142,7 +156,12 @@ class RunConfig:
         """Build from a resolved config tree; unknown keys are named in the error."""
         values = dict(values)
         values.pop("experiment", None)  # the recipe's name; its values are already merged in
-        sections = {"train": TrainSettings, "optim": OptimSettings, "wandb": WandbSettings}
+        sections = {
+            "train": TrainSettings,
+            "optim": OptimSettings,
+            "wandb": WandbSettings,
+            "parallel": ParallelSettings,
+        }
         for key, kind in sections.items():
             if key in values:
                 values[key] = _build(kind, values[key] or {}, key)
