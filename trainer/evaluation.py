@@ -15,6 +15,7 @@ from data import get_tokenizer, iter_eval_batches, prepare
 from model import GPT
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 from trainer.device import Precision, resolve_device, resolve_precision
+from trainer.distributed import all_reduce_sum, in_lockstep
 
 
 @dataclass
@@ -69,37 +70,48 @@ def evaluate(
     precision: Precision,
     max_batches: int | None = None,
     stride: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> EvalResult:
     """Loss over `tokens` in windows of block_size: by default non-overlapping windows (see
     `data.iter_eval_batches`) over the whole split, or with max_batches the same evenly spaced
     subset on every call, so successive periodic evaluations are comparable. With `stride`,
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
-    the compute."""
+    the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
+    its share of the windows and every rank returns the totals over all ranks."""
     was_training = model.training
     model.eval()
     block_size = model.config.block_size
     if stride is None:
-        batches = iter_eval_batches(tokens, block_size, batch_size, max_batches)
+        batches = iter_eval_batches(tokens, block_size, batch_size, max_batches, rank, world_size)
     else:
         batches = sliding_windows(tokens, block_size, stride, batch_size)
-    total_nats, total_tokens, batch_losses = 0.0, 0, []
-    for x, y in batches:
+    # Under FSDP every forward is a collective: a rank out of windows runs an unscored filler.
+    window = torch.from_numpy(tokens[None, :block_size].astype(np.int64))
+    total_nats, total_tokens, n, loss_sum, loss_sq_sum = 0.0, 0, 0, 0.0, 0.0
+    for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
         x, y = x.to(precision.device), y.to(precision.device)
         with precision.autocast():
             _, loss = model(x, y)
+        if not scores:
+            continue
         scored = int((y != -1).sum())
-        batch_losses.append(loss.item())
-        total_nats += batch_losses[-1] * scored
+        batch_loss = loss.item()
+        total_nats += batch_loss * scored
         total_tokens += scored
+        n, loss_sum, loss_sq_sum = n + 1, loss_sum + batch_loss, loss_sq_sum + batch_loss**2
     model.train(was_training)
+    total_nats, total_tokens, n, loss_sum, loss_sq_sum = all_reduce_sum(
+        [total_nats, total_tokens, n, loss_sum, loss_sq_sum], precision.device
+    )
     mean = total_nats / total_tokens
-    spread = float(np.std(batch_losses, ddof=1)) if len(batch_losses) > 1 else float("nan")
+    variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
     return EvalResult(
         loss=mean,
         bpb=mean / math.log(2) / bytes_per_token,
-        tokens=total_tokens,
+        tokens=int(total_tokens),
         bytes=total_tokens * bytes_per_token,
-        stderr=spread / math.sqrt(len(batch_losses)),
+        stderr=math.sqrt(max(variance, 0.0) / n),
     )
 
 

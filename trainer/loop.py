@@ -1,8 +1,12 @@
 """The training loop: next-token prediction with AdamW, evaluation, checkpoints and resume.
 
-One optimizer step = `grad_accum_steps` micro-batches of `batch_size` windows. Everything a
-resumed run needs to continue exactly where it stopped (weights, optimizer, step, RNG, data
-position, best loss, elapsed time) is in the `last` checkpoint.
+One optimizer step = `grad_accum_steps` micro-batches of `batch_size` windows on each of
+`world_size` ranks. Everything a resumed run needs to continue exactly where it stopped (weights,
+optimizer, step, RNG, data position, best loss, elapsed time) is in the `last` checkpoint.
+
+Under torchrun (see trainer/distributed.py) every rank runs this same loop on its own slice of
+each batch; decisions (a non-finite loss, a signal, the time budget) are agreed on by all ranks
+so that they stop at the same step, and rank 0 alone prints, logs and writes checkpoints.
 """
 
 from __future__ import annotations
@@ -22,15 +26,31 @@ from data.sampler import BatchSampler
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig
 from trainer.checkpoint import (
+    Checkpoint,
     CheckpointError,
     load_checkpoint,
     recover_interrupted_swap,
     resolve_checkpoint,
     save_checkpoint,
 )
-from trainer.config import RunConfig
+from trainer.config import ConfigError, RunConfig
 from trainer.console import Progress, format_seconds
 from trainer.device import configure_backends, peak_flops, resolve_device, resolve_precision
+from trainer.distributed import (
+    DistInfo,
+    all_reduce_max,
+    barrier,
+    clip_grad_norm,
+    destroy,
+    full_model,
+    gradient_sync,
+    init_distributed,
+    load_optimizer_state,
+    main_first,
+    mean_over_ranks,
+    optimizer_state,
+    wrap_model,
+)
 from trainer.evaluation import EvalResult, evaluate
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.tracking import Tracker
@@ -98,43 +118,71 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.resolved_config = resolved_config  # what gets saved and sent to wandb
+        # The same seed on every rank: identical initial weights (FSDP shards each rank's copy)
+        # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
+        # rank 0's RNG state, saved in checkpoints, is every rank's.
         torch.manual_seed(cfg.seed)
 
-        self.device = resolve_device(cfg.device)
+        self.dist = DistInfo.from_env()
+        self.device = init_distributed(
+            self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
+        )
         self.precision = resolve_precision(self.device, cfg.dtype)
+        self.sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
+        if self.sharded and self.precision.needs_grad_scaler:
+            raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
 
-        self.data = prepare(cfg.data)
+        with main_first():
+            self.data = prepare(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = get_tokenizer(self.data.tokenizer_name)
         self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
         self.block_size = self.model.config.block_size
+        with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
+            resume_from = self._resume_checkpoint()
+        if resume_from is not None:  # weights before sharding: FSDP shards what is loaded
+            self.model.load_state_dict(resume_from.model.state_dict())
+        self.parallel_model = wrap_model(self.model, cfg.parallel.strategy, self.dist, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
         )
         self.sampler = BatchSampler(
-            self.data.tokens("train"), self.block_size, cfg.train.batch_size, cfg.seed
+            self.data.tokens("train"),
+            self.block_size,
+            cfg.train.batch_size,
+            cfg.seed,
+            self.dist.rank,
+            self.dist.world_size,
         )
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
-        self._resume()
-        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.step_model = (
+            torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
+        )
 
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def _resume(self) -> None:
+    def _resume_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint to resume from, if any (every rank reads it: the run directory must
+        be on a filesystem that all nodes share)."""
         source = self._resume_source()
         if source is None:
-            return
+            return None
         ckpt = load_checkpoint(source, with_trainer_state=True)
         if ckpt.model.config != self.model.config:
             raise CheckpointError(
                 f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
                 f"run's model is {self.model.config.to_dict()}; resume with the same model config"
             )
+        return ckpt
+
+    def _resume(self, ckpt: Checkpoint) -> None:
+        """Everything but the weights (loaded before wrapping the model)."""
         state = ckpt.trainer_state
-        self.model.load_state_dict(ckpt.model.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
@@ -142,7 +190,7 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.state = TrainState(**state["train_state"])
-        self.resumed_from = source
+        self.resumed_from = ckpt.path
 
     def _resume_source(self) -> Path | None:
         resume = self.cfg.train.resume
@@ -155,9 +203,10 @@ class Trainer:
         return resolve_checkpoint(resume, prefer="last")
 
     def _trainer_state(self) -> dict[str, Any]:
+        """Rank 0's trainer state; under FSDP every rank must call (the optimizer is gathered)."""
         return {
             "train_state": asdict(self.state),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state(self.model, self.optimizer),
             "sampler": self.sampler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
@@ -168,13 +217,15 @@ class Trainer:
         return {"step": self.state.step, "tokenizer": self.data.tokenizer_name, **extra}
 
     def save(self, name: str, with_trainer_state: bool = True, **meta: Any) -> Path:
-        return save_checkpoint(
-            self.ckpt_dir / name,
-            self.model,
-            self.resolved_config,
-            self._meta(**meta),
-            self._trainer_state() if with_trainer_state else None,
-        )
+        """Every rank calls this at the same step (FSDP gathers the shards); rank 0 writes, and
+        the barrier holds the others until the checkpoint is complete."""
+        path = self.ckpt_dir / name
+        model = full_model(self.model)
+        trainer_state = self._trainer_state() if with_trainer_state else None
+        if self.dist.is_main:
+            save_checkpoint(path, model, self.resolved_config, self._meta(**meta), trainer_state)
+        barrier()
+        return path
 
     # ----- evaluation ----------------------------------------------------------------------
 
@@ -186,28 +237,33 @@ class Trainer:
             self.cfg.train.batch_size,
             self.precision,
             max_batches=None if whole_split else self.cfg.train.eval_steps,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
         )
 
     # ----- training ------------------------------------------------------------------------
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss, gradient norm before clipping)."""
+        """One optimizer step; returns (mean loss over all ranks, gradient norm before
+        clipping), the same on every rank, so that all ranks take the same decisions."""
         cfg = self.cfg
         set_lr(self.optimizer, lr_at(self.state.step, cfg.optim, cfg.train.max_steps))
         accum = cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
+        for i in range(accum):
             x, y = self.sampler.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                _, loss = self.step_model(x, y)
-            loss = loss / accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with gradient_sync(self.parallel_model, enabled=i == accum - 1):
+                with self.precision.autocast():
+                    _, loss = self.step_model(x, y)
+                loss = loss / accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
+        mean_over_ranks(loss_sum)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm(self.model, max_norm)
         if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:  # float16 overflow is routine: the scaler lowers its scale and skips
@@ -239,19 +295,29 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to max_steps or max_seconds, then evaluate the whole validation split.
         Returns the final summary (also printed as the last line, as JSON)."""
-        cfg = self.cfg
-        tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * self.block_size
+        cfg, world = self.cfg, self.dist.world_size
+        tokens_per_step = (
+            cfg.train.batch_size * cfg.train.grad_accum_steps * world * self.block_size
+        )
         flops_per_token = self.model.flops_per_token(self.block_size)
         peak, peak_source = peak_flops(self.precision)
-        self.tracker = Tracker(cfg.wandb, self.run_dir, self.resolved_config, self.state.wandb_id)
+        peak = peak and peak * world  # tokens/s are counted over all ranks
+        self.tracker = Tracker(
+            cfg.wandb,
+            self.run_dir,
+            self.resolved_config,
+            self.state.wandb_id,
+            enabled=self.dist.is_main,
+        )
         self.state.wandb_id = self.tracker.run_id
-        self.progress = Progress(cfg.train.max_steps, self.state.step)
+        self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
+        ranks = f", {world} ranks ({cfg.parallel.strategy})" if self.dist.enabled else ""
         self.progress.message(
             f"run dir: {self.run_dir}\n"
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
             f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
             f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
-            f"tokens\ndevice: {self.device}, {self.precision.dtype}, MFU vs {peak_source}\n"
+            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}, MFU vs {peak_source}\n"
             f"{self.tracker.location}"
         )
         if getattr(self, "resumed_from", None):
@@ -267,12 +333,17 @@ class Trainer:
         finally:
             self.progress.close()
             self.tracker.finish(exit_code)
+            # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
+            self.parallel_model = self.step_model = self.model
+            destroy()
 
-    def _out_of_time(self, loop_start: float) -> bool:
+    def _stop_requested(self, stop: _StopSignals) -> tuple[int, bool]:
+        """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
+        signal or clock on any one of them stops every rank after the same step."""
         budget = self.cfg.train.max_seconds
-        return (
-            budget is not None and self.state.elapsed + time.perf_counter() - loop_start >= budget
-        )
+        late = budget is not None and self.state.elapsed >= budget
+        signum, late = all_reduce_max([stop.signum or 0, late], self.device)
+        return int(signum), bool(late)
 
     def _loop(
         self, stop: _StopSignals, tokens_per_step: int, flops_per_token: float, peak: float | None
@@ -281,11 +352,13 @@ class Trainer:
         loop_start = time.perf_counter()
         elapsed_at_start = state.elapsed
         window_start, window_steps = time.perf_counter(), 0
-        while state.step < cfg.max_steps and not self._out_of_time(loop_start):
+        signum, out_of_time = self._stop_requested(stop)
+        while state.step < cfg.max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
             window_steps += 1
             state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
+            signum, out_of_time = self._stop_requested(stop)
             if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
                 now = time.perf_counter()
                 tok_s = window_steps * tokens_per_step / (now - window_start)
@@ -308,11 +381,11 @@ class Trainer:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.save("last")
-            if stop.signum is not None:
+            if signum:
                 path = self.save("last")
                 raise TrainingInterrupted(
-                    stop.signum,
-                    f"stopped by signal {stop.signum} at step {state.step}; checkpoint saved to "
+                    signum,
+                    f"stopped by signal {signum} at step {state.step}; checkpoint saved to "
                     f"{path}. Resume with: python train.py hydra.run.dir={self.run_dir} "
                     "train.resume=auto",
                 )
@@ -334,7 +407,9 @@ class Trainer:
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
         self.tracker.log(result.metrics("val"), self.state.step)
-        if self.tracker.run is not None and self.cfg.train.sample_tokens:
+        # Every rank generates: under FSDP each forward is a collective. wandb.mode=disabled is
+        # the one setting in which rank 0's tracker has no run.
+        if self.cfg.wandb.mode != "disabled" and self.cfg.train.sample_tokens:
             self.tracker.log_samples(self._samples(), self.state.step)
         return result
 
@@ -379,6 +454,8 @@ class Trainer:
         self.tracker.log(final.metrics("final_val"), self.state.step)
         self.tracker.summary(summary)
         self.progress.close()
+        if not self.dist.is_main:
+            return summary
         print(
             f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}; whole "
             f"validation split ({final.tokens:,} tokens, non-overlapping windows of "

@@ -1,0 +1,234 @@
+"""Multi-process training under torchrun: the process group, DDP / FSDP2 wrapping, collectives
+and full (single-process) state dicts.
+
+`torchrun` sets RANK, LOCAL_RANK and WORLD_SIZE; without them (or with WORLD_SIZE=1) this is a
+single process and every function here returns at once without touching torch.distributed, so
+single-process training behaves exactly as it did before distributed training existed.
+
+Checkpoints stay ordinary single-process checkpoints: under FSDP the weights and the optimizer
+state are gathered to rank 0 in full before writing, and scattered back to shards on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from model import GPT
+from trainer.config import ConfigError
+
+T = TypeVar("T")
+
+FULL_STATE = StateDictOptions(full_state_dict=True)
+FULL_STATE_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job, from torchrun's environment variables."""
+
+    rank: int = 0
+    local_rank: int = 0  # the GPU index on this node
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> DistInfo:
+        env = os.environ
+        return cls(
+            int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        )
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, logs to wandb and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> torch.device:
+    """Join the process group (NCCL on CUDA, gloo on CPU) and return this rank's device.
+
+    `timeout_s` bounds every collective, so ranks blocked on a peer that died or hangs fail
+    (and torchrun ends the job) instead of waiting forever."""
+    if not info.enabled:
+        return device
+    if device.type == "mps":
+        raise ConfigError("multi-process training needs CUDA or the CPU, not MPS; use device=cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device
+
+
+def destroy() -> None:
+    """Leave the process group (a clean exit; torchrun warns about a group left open)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Rank 0 runs the block first, the others after it is done: for work that is safe but
+    wasteful to run concurrently (preparing data) or must not race (repairing a checkpoint)."""
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if not is_main:
+        barrier()
+    yield
+    if is_main:
+        barrier()
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op)
+    return t.tolist()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums over ranks (one collective for the whole list)."""
+    return _all_reduce(values, dist.ReduceOp.SUM, device)
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maxima over ranks: a flag raised on any rank is raised on all."""
+    return _all_reduce(values, dist.ReduceOp.MAX, device)
+
+
+def in_lockstep(items: Iterable[T], filler: T, device: torch.device) -> Iterator[tuple[T, bool]]:
+    """(item, True) for each of this rank's items, then (filler, False) until every rank has
+    run out: the same number of iterations everywhere, for loops whose body is a collective
+    (an FSDP forward). One scalar all-reduce per iteration; none in a single process."""
+    for item in items:
+        if dist.is_initialized():
+            all_reduce_max([1], device)
+        yield item, True
+    while dist.is_initialized() and all_reduce_max([0], device)[0]:
+        yield filler, False
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over ranks, in place: every rank then decides on the same value."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t
+
+
+def wrap_model(model: GPT, strategy: str, info: DistInfo, device: torch.device) -> nn.Module:
+    """The module that training runs forward and backward through.
+
+    ddp: a DistributedDataParallel wrapper (`model` stays the plain replica, for evaluation and
+    checkpoints). fsdp: FSDP2 shards each block, then the rest, in place: `model` itself becomes
+    the sharded module, its parameters DTensors; build the optimizer after this."""
+    if not info.enabled:
+        return model
+    if strategy == "ddp":
+        return DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradient accumulation without needless communication: the forward and backward of every
+    micro-batch but the last accumulate locally (enabled=False); the last one reduces."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The total gradient norm before clipping, as a plain tensor (FSDP returns a replicated
+    DTensor, computed over all shards)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_model(model: GPT) -> GPT:
+    """A GPT whose state_dict is the full set of weights, for `save_checkpoint` on rank 0.
+
+    Unsharded models are returned as they are. Sharded (FSDP) ones are gathered to rank 0's CPU
+    (every rank must call this) and placed in a GPT built on the meta device, which allocates
+    nothing and is never run; on other ranks it holds no weights."""
+    if not isinstance(model, FSDPModule):
+        return model
+    state = get_model_state_dict(model, options=FULL_STATE_ON_RANK0_CPU)
+    with torch.device("meta"):
+        holder = GPT(model.config)
+    if state:
+        holder.load_state_dict(state, assign=True)
+    return holder
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the order `optimizer.state_dict()` numbers them."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _rekey(state: dict[str, Any], key: dict[Any, Any]) -> dict[str, Any]:
+    groups = [{**g, "params": [key[p] for p in g["params"]]} for g in state["param_groups"]]
+    return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer.state_dict()`, in full: under FSDP gathered from the shards to rank 0's CPU
+    (every rank must call; other ranks get an empty dict) and numbered like a single process's,
+    so any world size, or a single process, can resume from it."""
+    if not isinstance(model, FSDPModule):
+        return optimizer.state_dict()
+    state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE_ON_RANK0_CPU)
+    if not state:
+        return {}
+    return _rekey(state, {name: i for i, name in enumerate(_param_names(model, optimizer))})
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """The inverse of `optimizer_state`: under FSDP every rank keeps its shard of the state."""
+    if not isinstance(model, FSDPModule):
+        optimizer.load_state_dict(state)
+        return
+    by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
+    set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
