@@ -1,0 +1,170 @@
+"""Multi-process training with torchrun on CPU (gloo, 2 ranks). DDP: the same arithmetic as one
+process with the same global batch, rank 0 alone speaks, resume is exact, a dead rank ends the
+job promptly and leaves the last checkpoint intact. FSDP: resumes from and saves ordinary
+checkpoints that a single process loads, and trains like DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parallel.worker import PROBE
+from tests.trainer.helpers import ROOT, TINY, make_trainer
+from trainer.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("worker.py")
+# 2 ranks x 2 windows: the global batch of the single-process reference's 4 windows.
+RUN = [
+    *TINY,
+    "train.batch_size=2",
+    "train.max_steps=4",
+    "train.eval_interval=2",
+    "train.ckpt_interval=2",
+    "device=cpu",
+    "parallel.timeout_s=30",
+    "optim.eps=1e-6",  # see test_ddp_equals_one_process_with_the_same_global_batch
+]
+
+
+def torchrun(
+    script: Path, *args: str, cwd: Path, timeout: float = 90
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 script args`, one thread per rank. On timeout
+    the whole process group goes (the workers too, not only torchrun) and the test fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with subprocess.Popen(
+        [*cmd, str(script), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "last").model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, corpus) -> tuple[Path, subprocess.CompletedProcess]:
+    """`torchrun ... train.py`: 4 DDP steps of 2 x 2 windows."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    result = torchrun(ROOT / "train.py", *RUN, *corpus, f"hydra.run.dir={tmp / 'run'}", cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "run", result
+
+
+@pytest.fixture(scope="module")
+def died_run(tmp_path_factory, corpus) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """The same run, but rank 1 dies as step 3 begins (the last checkpoint is step 2's).
+    Returns the run dir, the result and the seconds torchrun took."""
+    tmp = tmp_path_factory.mktemp("died")
+    start = time.monotonic()
+    result = torchrun(WORKER, str(tmp / "run"), "--die-at-step=3", *RUN, *corpus, cwd=tmp)
+    return tmp / "run", result, time.monotonic() - start
+
+
+def log_lines(stdout: str) -> list[str]:
+    """Each step's logged loss, lr and gradient norm (4 significant digits), without timings."""
+    return [line.split(" tok/s")[0] for line in stdout.splitlines() if " | loss " in line]
+
+
+def test_ddp_equals_one_process_with_the_same_global_batch(ddp_run, tmp_path, corpus, capsys):
+    run_dir, result = ddp_run
+    single = make_trainer(tmp_path, corpus, *RUN, "train.batch_size=4")
+    summary = single.run()
+    # The loss is averaged over ranks and the gradients too (a sum would double the norm).
+    assert log_lines(result.stdout) == log_lines(capsys.readouterr().out)
+    # The two runs differ only in how the 4 windows' gradients are summed (two halves averaged
+    # by the all-reduce, or one mean): float32 rounding. Adam divides each gradient by its RMS,
+    # so where a gradient nearly cancels the rounding reaches the update; with optim.eps=1e-6
+    # the largest difference seen after 4 steps is ~9e-7. 1e-5 is ~1/1000 of 4 steps at lr 3e-3,
+    # the scale a wrong or repeated window moves the weights by.
+    reference = single.model.state_dict()
+    for name, tensor in weights(run_dir).items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5)
+    # Evaluation is reduced over ranks: the whole split, each token once, the same mean loss.
+    ddp_summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert ddp_summary["val_tokens"] == summary["val_tokens"]
+    assert ddp_summary["val_loss"] == pytest.approx(summary["val_loss"], abs=2e-4)
+
+
+def test_only_rank_0_prints(ddp_run):
+    _, result = ddp_run
+    out = result.stdout
+    assert out.count("run dir:") == 1 and out.count("step 4 | loss") == 1, out
+    assert sum(line.startswith("{") for line in out.splitlines()) == 1, out
+
+
+def test_a_dead_rank_ends_the_job_promptly_and_keeps_the_last_checkpoint(died_run):
+    run_dir, result, seconds = died_run
+    assert result.returncode != 0
+    assert seconds < 60, seconds  # the healthy rank did not wait out a hung collective
+    assert load_checkpoint(run_dir / "checkpoints" / "last").meta["step"] == 2
+
+
+def test_ddp_resume_repeats_the_uninterrupted_run_exactly(ddp_run, died_run, tmp_path, corpus):
+    straight_dir, _ = ddp_run
+    died_dir, _, _ = died_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(died_dir, run_dir)  # the FSDP test resumes from the original
+    args = [*RUN, *corpus, f"hydra.run.dir={run_dir}", "train.resume=auto"]
+    result = torchrun(ROOT / "train.py", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 2" in result.stdout
+    straight = weights(straight_dir)
+    for name, tensor in weights(run_dir).items():
+        assert torch.equal(tensor, straight[name]), name
+
+
+def test_fsdp_resumes_trains_like_ddp_and_saves_a_checkpoint_one_process_loads(
+    ddp_run, died_run, tmp_path, corpus
+):
+    straight_dir, _ = ddp_run
+    died_dir, _, _ = died_run  # its `last` checkpoint: step 2, written by DDP
+    logits_file = tmp_path / "logits.pt"
+    args = [*RUN, *corpus, "parallel.strategy=fsdp", f"train.resume={died_dir}"]
+    result = torchrun(WORKER, str(tmp_path / "run"), f"--logits={logits_file}", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints" / "last", with_trainer_state=True)
+    assert ckpt.meta["step"] == 4
+    with torch.no_grad():
+        logits = ckpt.model(PROBE)[0]
+    torch.testing.assert_close(logits, torch.load(logits_file), rtol=0, atol=1e-6)
+
+    # Sharded steps 3-4 match DDP's (see the DDP test's tolerance), and the optimizer state,
+    # gathered from the shards, is numbered as a single process numbers it.
+    straight = load_checkpoint(straight_dir / "checkpoints" / "last", with_trainer_state=True)
+    reference = straight.model.state_dict()
+    for name, tensor in ckpt.model.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5)
+    ours, theirs = ckpt.trainer_state["optimizer"], straight.trainer_state["optimizer"]
+    assert [g["params"] for g in ours["param_groups"]] == [
+        g["params"] for g in theirs["param_groups"]
+    ]
+    for i, state in theirs["state"].items():
+        assert torch.equal(ours["state"][i]["step"], state["step"])
+        for key in ("exp_avg", "exp_avg_sq"):  # ~1e-4 of the largest entry apart, seen
+            scale = state[key].abs().max().item()
+            torch.testing.assert_close(ours["state"][i][key], state[key], rtol=0, atol=1e-3 * scale)
