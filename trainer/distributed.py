@@ -126,6 +126,16 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return _all_reduce(values, dist.ReduceOp.MAX, device)
 
 
+def from_main(value: T) -> T:
+    """Rank 0's value on every rank: for what each rank could otherwise derive differently (a
+    run directory named after the second each rank started in)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def in_lockstep(items: Iterable[T], filler: T, device: torch.device) -> Iterator[tuple[T, bool]]:
     """(item, True) for each of this rank's items, then (filler, False) until every rank has
     run out: the same number of iterations everywhere, for loops whose body is a collective

@@ -42,6 +42,7 @@ from trainer.distributed import (
     barrier,
     clip_grad_norm,
     destroy,
+    from_main,
     full_model,
     gradient_sync,
     init_distributed,
@@ -115,8 +116,6 @@ def model_config_for(model_values: dict[str, Any], data: PreparedData) -> GPTCon
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
         self.resolved_config = resolved_config  # what gets saved and sent to wandb
         # The same seed on every rank: identical initial weights (FSDP shards each rank's copy)
         # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
@@ -127,6 +126,8 @@ class Trainer:
         self.device = init_distributed(
             self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
         )
+        self.run_dir = Path(from_main(str(run_dir)))
+        self.ckpt_dir = self.run_dir / "checkpoints"
         self.precision = resolve_precision(self.device, cfg.dtype)
         self.sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         if self.sharded and self.precision.needs_grad_scaler:
@@ -383,10 +384,11 @@ class Trainer:
                 self.save("last")
             if signum:
                 path = self.save("last")
+                launcher = "torchrun <flags> train.py" if self.dist.enabled else "python train.py"
                 raise TrainingInterrupted(
                     signum,
                     f"stopped by signal {signum} at step {state.step}; checkpoint saved to "
-                    f"{path}. Resume with: python train.py hydra.run.dir={self.run_dir} "
+                    f"{path}. Resume with: {launcher} hydra.run.dir={self.run_dir} "
                     "train.resume=auto",
                 )
 
