@@ -12,11 +12,18 @@ from typing import Any
 
 from trainer.config import WandbSettings
 
+MODES = ("online", "offline", "disabled")
+
 
 def resolve_mode(mode: str) -> str:
-    """`auto` -> online if logged in (API key in env, settings or .netrc), else offline."""
+    """`auto` -> $WANDB_MODE if it names a mode, else online if logged in (API key in env,
+    settings or .netrc), else offline."""
     if mode != "auto":
         return mode
+    if os.environ.get("WANDB_MODE") in MODES:
+        return os.environ["WANDB_MODE"]
+    # Before wandb's first call: wandb ignores (and warns about) env changes after it.
+    os.environ.setdefault("WANDB_SILENT", "true")  # our console shows where the run went
     import wandb
 
     return "online" if wandb.login(prompt=False, verify=False) else "offline"
@@ -39,9 +46,9 @@ class Tracker:
         self.mode = resolve_mode(settings.mode) if enabled else "disabled"
         if self.mode == "disabled":
             return
+        os.environ.setdefault("WANDB_SILENT", "true")  # our console shows where the run went
         import wandb
 
-        os.environ.setdefault("WANDB_SILENT", "true")  # our console shows where the run went
         self.run = wandb.init(
             project=settings.project,
             entity=settings.entity,
