@@ -6,6 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from trainer.checkpoint import CheckpointError
 from trainer.cli import run_config, user_errors
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 
@@ -20,7 +21,7 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as e:
         print(str(e), file=sys.stderr)
         sys.exit(128 + e.signum)
-    except TrainingError as e:
+    except (TrainingError, CheckpointError) as e:  # a non-finite loss; a full disk
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

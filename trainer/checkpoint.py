@@ -14,11 +14,14 @@ Directories without a valid manifest (an interrupted write) are never picked up.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_writable(directory: str | Path) -> None:
+    """Fail at the start of a run, not at its first checkpoint, if `directory` cannot be
+    written (read-only, a path through a regular file, no permission)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        reason = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or e
+        raise CheckpointError(f"cannot write checkpoints to {directory}: {reason}") from e
+
+
+@contextlib.contextmanager
+def _os_errors(file: Path) -> Iterator[None]:
+    """Let a failed write surface as the OSError behind it. safetensors reports a full disk as
+    SafetensorError("... No space left on device (os error 28)"), and torch.save into a file
+    object as a RuntimeError ("unexpected pos ...") raised while handling the OSError."""
+    try:
+        yield
+    except (SafetensorError, RuntimeError) as e:
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from e
+        if match := re.search(r"os error (\d+)", str(e)):
+            code = int(match[1])
+            raise OSError(code, os.strerror(code), str(file)) from e
+        raise
+
+
 def model_state(model: GPT) -> dict[str, torch.Tensor]:
     """The weights to save: contiguous CPU tensors, the tied head stored once (as wte)."""
     sd = model.state_dict()
@@ -79,19 +111,55 @@ def save_checkpoint(
     meta: dict[str, Any],
     trainer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint at `path`, replacing any previous one atomically."""
+    """Write a complete checkpoint at `path`, replacing any previous one atomically.
+
+    A write that fails (a read-only directory, a full disk) raises CheckpointError naming the
+    path and the cause; the previous checkpoint at `path` is left as it was, and the partial
+    new one is removed."""
     path = Path(path)
+    try:
+        _write_checkpoint(path, model, run_config, meta, trainer_state)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoint to {path}: {e.strerror or e}; {_previous(path)}"
+        ) from e
+    return path
+
+
+def _previous(path: Path) -> str:
+    """What a failed write left at `path`, for the error message."""
+    try:
+        recover_interrupted_swap(path)
+        step = json.loads((path / CONFIG_FILE).read_text())["meta"].get("step")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "there is no previous checkpoint there"
+    at = "" if step is None else f" (step {step})"
+    return f"the previous checkpoint at {path}{at} is intact"
+
+
+def _write_checkpoint(
+    path: Path,
+    model: GPT,
+    run_config: dict[str, Any],
+    meta: dict[str, Any],
+    trainer_state: dict[str, Any] | None,
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A crash between the two renames below left the only complete checkpoint at `old`: put it
+    # back before anything could delete `old`.
+    recover_interrupted_swap(path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        save_file(model_state(model), str(tmp / MODEL_FILE))
+        with _os_errors(tmp / MODEL_FILE):
+            save_file(model_state(model), str(tmp / MODEL_FILE))
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         files = [MODEL_FILE, CONFIG_FILE]
         if trainer_state is not None:
-            torch.save(trainer_state, tmp / TRAINER_FILE)
+            with _os_errors(tmp / TRAINER_FILE), open(tmp / TRAINER_FILE, "wb") as f:
+                torch.save(trainer_state, f)
             files.append(TRAINER_FILE)
         manifest = {
             name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
@@ -104,7 +172,7 @@ def save_checkpoint(
         # Swap: move the old checkpoint aside, rename the new one in, then delete the old one.
         # At every instant either `path` or `old` holds a complete checkpoint.
         old = path.parent / f".{path.name}.old"
-        if old.exists():
+        if old.exists():  # `path` exists (recovered above): `old` is a leftover copy
             shutil.rmtree(old)
         if path.exists():
             os.replace(path, old)
@@ -114,7 +182,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def recover_interrupted_swap(path: Path) -> None:

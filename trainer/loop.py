@@ -28,6 +28,7 @@ from model import GPT, GPTConfig
 from trainer.checkpoint import (
     Checkpoint,
     CheckpointError,
+    check_writable,
     load_checkpoint,
     recover_interrupted_swap,
     resolve_checkpoint,
@@ -128,6 +129,8 @@ class Trainer:
         )
         self.run_dir = Path(from_main(str(run_dir)))
         self.ckpt_dir = self.run_dir / "checkpoints"
+        if self.dist.is_main:  # fail now, not at the first checkpoint
+            check_writable(self.ckpt_dir)
         self.precision = resolve_precision(self.device, cfg.dtype)
         self.sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         if self.sharded and self.precision.needs_grad_scaler:

@@ -85,13 +85,12 @@ def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, corpus, 
     real_save = checkpoint.torch.save
     calls = {"n": 0}
 
-    def dying_save(obj, path, *a, **k):  # the second `last` save dies half-way through
+    def dying_save(obj, f, *a, **k):  # the second `last` save dies half-way through
         calls["n"] += 1
         if calls["n"] == 2:
-            with open(path, "wb") as f:
-                f.write(b"half a file")
+            f.write(b"half a file")
             raise Crash
-        return real_save(obj, path, *a, **k)
+        return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(checkpoint.torch, "save", dying_save)
     with pytest.raises(Crash):
