@@ -5,7 +5,7 @@ from data.errors import DataError
 from data.metrics import bits_per_byte
 from data.pipeline import PreparedData, prepare
 from data.sampler import BatchSampler, iter_eval_batches
-from data.tokenizer import get_tokenizer
+from data.tokenizer import get_tokenizer, load_tokenizer
 
 DATASETS: tuple[str, ...] = known_datasets()
 
@@ -17,5 +17,6 @@ __all__ = [
     "bits_per_byte",
     "get_tokenizer",
     "iter_eval_batches",
+    "load_tokenizer",
     "prepare",
 ]

@@ -1,9 +1,10 @@
 """Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
 
-A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
-every token file has exactly the size it records. ``meta.json`` is written last, and every
-file goes through a temporary name and an atomic rename, so an interrupted preparation never
-leaves something that passes this check.
+A directory is complete only when ``meta.json`` exists, names the expected fingerprint, every
+token file has exactly the size it records, and a trained tokenizer file (``tokenizer.json``)
+has the size and sha256 it records. ``meta.json`` is written last, and every file goes through
+a temporary name and an atomic rename, so an interrupted preparation never leaves something
+that passes this check.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """How meta.json records a small side file (a trained tokenizer): name, size and sha256."""
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any] | None:
     """The directory's meta if it is a complete preparation of ``expected_fingerprint``."""
     try:
@@ -39,6 +49,10 @@ def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any
         itemsize = np.dtype(meta["dtype"]).itemsize
         for split, stats in meta["splits"].items():
             if (directory / f"{split}.bin").stat().st_size != stats["tokens"] * itemsize:
+                return None
+        if (entry := meta.get("tokenizer_file")) is not None:
+            file = directory / Path(entry["name"]).name
+            if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
                 return None
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -5,21 +5,32 @@ Training calls :func:`prepare` itself; ``python -m data.prepare`` runs it alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tiktoken
+from datasets import Dataset, IterableDataset
 from omegaconf import DictConfig
 
-from data.cache import atomic_path, fingerprint, read_valid_meta, write_meta
+from data.bpe import train_bpe
+from data.cache import atomic_path, file_entry, fingerprint, read_valid_meta, write_meta
 from data.config import cache_root, resolve_config
 from data.errors import DataError
 from data.registry import get_source
-from data.tokenize import write_split
-from data.tokenizer import get_tokenizer, token_dtype
+from data.tokenize import MAP_BATCH_SIZE, write_split
+from data.tokenizer import (
+    TOKENIZER_FILE,
+    TokenizerSpec,
+    get_tokenizer,
+    load_tokenizer,
+    parse_tokenizer,
+    token_dtype,
+)
 
 SPLITS = ("train", "val")
 
@@ -40,24 +51,76 @@ class PreparedData:
         n = self.meta["splits"][split]["tokens"]
         return np.memmap(self.dir / f"{split}.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
 
+    @property
+    def tokenizer_file(self) -> Path | None:
+        """A trained tokenizer's file (``bpe-<N>``), which checkpoints copy; None otherwise."""
+        entry = self.meta.get("tokenizer_file")
+        return self.dir / Path(entry["name"]).name if entry else None
+
+    def tokenizer(self) -> tiktoken.Encoding:
+        """The tokenizer the token files were written with."""
+        return load_tokenizer(self.tokenizer_name, self.dir)
+
     def bytes_per_token(self, split: str) -> float:
         """UTF-8 bytes per token, to convert a loss in nats/token into bits per byte."""
         stats = self.meta["splits"][split]
         return stats["bytes"] / stats["tokens"]
 
 
-def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
-    tokenizer = cfg.get("tokenizer", "gpt2")
-    enc = get_tokenizer(tokenizer)  # fail on a bad tokenizer before loading any data
+def _texts(docs: Dataset | IterableDataset) -> Iterator[str]:
+    for batch in docs.iter(batch_size=MAP_BATCH_SIZE):
+        yield from batch["text"]
+
+
+def _train_tokenizer(
+    cfg: dict[str, Any],
+    spec: TokenizerSpec,
+    train: Dataset | IterableDataset,
+    out: Path,
+    verbose: bool,
+) -> dict[str, Any]:
+    """Train ``bpe-<N>`` on the train split alone and write it atomically to the data directory;
+    returns the meta entries recording it."""
+    bpe, stats = train_bpe(_texts(train), spec.vocab_size)
+    path = out / TOKENIZER_FILE
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(bpe.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    if verbose:
+        print(
+            f"{cfg['name']}: trained {spec.name} on the train split ({stats.bytes / 1e6:.2f} MB, "
+            f"{stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in {stats.seconds:.2f}s"
+        )
+    training = {
+        "seconds": round(stats.seconds, 3),
+        "bytes": stats.bytes,
+        "chunks": stats.chunks,
+        "unique_chunks": stats.unique_chunks,
+    }
+    return {"tokenizer_file": file_entry(path), "tokenizer_training": training}
+
+
+def _build(
+    cfg: dict[str, Any], spec: TokenizerSpec, out: Path, fp: str, source_fp: dict, verbose: bool
+) -> dict:
+    tokenizer = spec.name
+    if not spec.trained:
+        get_tokenizer(tokenizer)  # fail on a bad tokenizer (download) before loading any data
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # invalidate before replacing any token file
+    trained = _train_tokenizer(cfg, spec, docs["train"], out, verbose) if spec.trained else {}
+    enc = load_tokenizer(tokenizer, out)
+    token_dir = str(out) if spec.trained else None
     limits = {"train": cfg.get("max_train_tokens")}
     num_proc = int(cfg.get("num_proc", 1))
     splits = {}
     for split in SPLITS:
         with atomic_path(out / f"{split}.bin") as tmp:
-            stats = write_split(docs[split], tmp, tokenizer, num_proc, limits.get(split))
+            stats = write_split(
+                docs[split], tmp, tokenizer, num_proc, limits.get(split), tokenizer_dir=token_dir
+            )
             if stats.tokens == 0:
                 raise DataError(
                     f"the {split} split of {cfg['name']!r} has no text (0 documents); "
@@ -87,6 +150,7 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
         "splits": splits,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "sources": source_fp,
+        **trained,
     }
     write_meta(out, meta)
     return meta
@@ -96,16 +160,19 @@ def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> Pre
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
 
     The cache directory ``<cache_dir>/<name>/<tokenizer>-<fingerprint[:12]>`` changes whenever
-    the sources or the tokenizer do, so stale data is never reused.
+    the sources or the tokenizer do, so stale data is never reused. A trained tokenizer
+    (``bpe-<N>``) is trained on the train split and saved there as ``tokenizer.json``; since
+    the fingerprint covers the sources, changed training text means a new directory and a new
+    tokenizer.
     """
     cfg = resolve_config(cfg)
-    tokenizer = cfg.get("tokenizer", "gpt2")
+    spec = parse_tokenizer(cfg.get("tokenizer", "gpt2"))
     source_fp = get_source(cfg).fingerprint(cfg)
-    fp = fingerprint(tokenizer, source_fp)
-    out = cache_root(cfg) / cfg["name"] / f"{tokenizer}-{fp[:12]}"
+    fp = fingerprint(spec.cache_key, source_fp)
+    out = cache_root(cfg) / cfg["name"] / f"{spec.name}-{fp[:12]}"
     meta = read_valid_meta(out, fp)
     if meta is None:
-        meta = _build(cfg, out, fp, source_fp, verbose)
+        meta = _build(cfg, spec, out, fp, source_fp, verbose)
     elif verbose:
         print(f"{cfg['name']}: reusing prepared data in {out}")
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])

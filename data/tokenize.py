@@ -14,7 +14,7 @@ import datasets
 import numpy as np
 from datasets import Dataset, IterableDataset
 
-from data.tokenizer import get_tokenizer, token_dtype
+from data.tokenizer import load_tokenizer, token_dtype
 
 MAP_BATCH_SIZE = 64
 # Below this many documents per process, starting processes costs more than it saves (measured on
@@ -44,13 +44,15 @@ class SplitStats:
     seconds: float
 
 
-def encode_documents(batch: dict[str, list], tokenizer: str, num_threads: int) -> dict[str, list]:
+def encode_documents(
+    batch: dict[str, list], tokenizer: str, num_threads: int, tokenizer_dir: str | None = None
+) -> dict[str, list]:
     """``datasets.map`` worker: each non-empty document becomes ``[eot, *tokens]``.
 
     The leading end-of-text token separates documents and gives every document's first token
-    the same context; UTF-8 byte counts are kept for bits-per-byte.
+    the same context; UTF-8 byte counts of the raw text are kept for bits-per-byte.
     """
-    enc = get_tokenizer(tokenizer)
+    enc = load_tokenizer(tokenizer, tokenizer_dir)
     texts = [t for t in batch["text"] if t]
     ids = enc.encode_ordinary_batch(texts, num_threads=num_threads)
     eot = np.array([enc.eot_token], dtype=np.uint32)
@@ -71,12 +73,14 @@ def write_split(
     tokenizer: str,
     num_proc: int,
     max_tokens: int | None = None,
+    tokenizer_dir: str | None = None,
 ) -> SplitStats:
     """Write the concatenated tokens of ``docs`` to ``path``; stop after the document that
     reaches ``max_tokens``. A large finite dataset is tokenized by ``num_proc`` processes; small
-    ones and streams use ``num_proc`` tokenizer threads in this process."""
+    ones and streams use ``num_proc`` tokenizer threads in this process. A trained tokenizer is
+    read from ``tokenizer_dir``."""
     start = time.perf_counter()
-    dtype = token_dtype(get_tokenizer(tokenizer).n_vocab)
+    dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
     num_proc = max(1, num_proc)
     kwargs: dict[str, Any] = {"batched": True, "batch_size": MAP_BATCH_SIZE}
     threads = num_proc
@@ -85,7 +89,11 @@ def write_split(
     with _progress_bars(isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC):
         tokenized = docs.map(
             encode_documents,
-            fn_kwargs={"tokenizer": tokenizer, "num_threads": threads},
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "num_threads": threads,
+                "tokenizer_dir": tokenizer_dir,
+            },
             remove_columns=["text"],
             **kwargs,
         ).with_format("numpy")

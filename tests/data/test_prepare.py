@@ -159,6 +159,7 @@ def test_cli_prints_summary_json(shakespeare: PreparedData) -> None:
         (["data=nope"], "known datasets: fineweb_edu"),
         (["data=text"], "train_files"),
         (["data=text", "data.train_files=[/no/such/file.txt]"], "does not exist"),
+        (["data.tokenizer=bpe-100"], "bpe-<N> needs a whole number N >= 257"),
     ],
 )
 def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

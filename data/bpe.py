@@ -1,0 +1,251 @@
+"""Byte-level BPE trained on a dataset's training split, saved as JSON, encoded by tiktoken.
+
+The vocabulary of ``bpe-<N>`` is the 256 single bytes, then ``N - 257`` merged tokens, then
+``<|endoftext|>`` as id ``N - 1``. Training (``train_bpe``), as in GPT-2 and nanochat:
+
+1. Split each training document into chunks with ``PATTERN`` (GPT-4's split regex) and count
+   the distinct chunks: Shakespeare's 1.1M chunks are ~30k distinct ones. Merges never cross a
+   chunk boundary, so a word, a number or a run of punctuation is merged on its own.
+2. Every distinct chunk starts as its UTF-8 bytes. Count each adjacent pair of tokens, weighted
+   by the chunk's count, and remember which chunks contain it.
+3. Repeatedly take the most frequent pair (ties: the smallest ``(left id, right id)``, so the
+   result depends on nothing but the text), give it the next id, and replace it left to right
+   in the chunks that contain it. Only those chunks' pair counts change: each one's old pairs
+   are subtracted and its new pairs added. A heap of ``(-count, left, right)`` with stale
+   entries skipped when popped finds the next pair without scanning all pairs.
+
+A pair whose bytes already exist as a token (the same bytes reached by another split) is never
+merged, so the N tokens are distinct byte strings (tiktoken ranks tokens by their bytes).
+
+Encoding is tiktoken's: ``mergeable_ranks`` maps each token's bytes to its id, which is its
+merge order, and tiktoken repeatedly merges the adjacent pair whose bytes have the lowest rank;
+that reproduces the trained merges (tests check it against a plain-Python application).
+
+The file is JSON (no pickle, nothing executable): the pattern, the special token and the merges
+in rank order, each as the hex of its left and right token bytes. It depends only on the
+training text, so two trainings on the same text write identical bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
+
+import regex
+import tiktoken
+
+from data.errors import DataError
+
+ENDOFTEXT = "<|endoftext|>"
+FORMAT = "causalgpt-bpe/1"  # the file layout
+TRAINER_VERSION = 1  # bump when training would give other merges for the same text
+# GPT-4's (cl100k_base) split pattern, copied from tiktoken_ext/openai_public.py. Unlike GPT-2's,
+# it keeps newlines apart from other whitespace (a line break is a token of its own, not glued to
+# the next line's indentation), caps digit runs at 3, matches contractions in any case, and lets
+# one punctuation mark lead a word ("_Enter", "'tis"). On Shakespeare it compresses better than
+# GPT-2's pattern at every size we tried (see data/README_DATA.md).
+PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+MIN_VOCAB = 257  # the 256 bytes and <|endoftext|>, no merges
+
+
+@dataclass(frozen=True)
+class BPE:
+    """A trained byte-level BPE: ``merges[i] = (left, right)`` made token ``256 + i``."""
+
+    name: str
+    pattern: str
+    merges: tuple[tuple[int, int], ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.merges) + 1
+
+    @property
+    def eot_token(self) -> int:
+        return self.vocab_size - 1
+
+    @cached_property
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """The bytes of every ordinary token, by id (= rank)."""
+        tokens = [bytes([i]) for i in range(256)]
+        for left, right in self.merges:
+            tokens.append(tokens[left] + tokens[right])
+        return tuple(tokens)
+
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding: ranks in merge order, ``<|endoftext|>`` last."""
+        return tiktoken.Encoding(
+            name=self.name,
+            pat_str=self.pattern,
+            mergeable_ranks={b: rank for rank, b in enumerate(self.token_bytes)},
+            special_tokens={ENDOFTEXT: self.eot_token},
+            explicit_n_vocab=self.vocab_size,
+        )
+
+    def to_json(self) -> str:
+        """The saved form: one merge per line, as the hex of its left and right token bytes."""
+        head = {
+            "format": FORMAT,
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "pattern": self.pattern,
+            "special_tokens": {ENDOFTEXT: self.eot_token},
+        }
+        tokens = self.token_bytes
+        lines = [f"    {json.dumps([tokens[a].hex(), tokens[b].hex()])}" for a, b in self.merges]
+        fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in head.items()]
+        fields.append('  "merges": [\n' + ",\n".join(lines) + "\n  ]")
+        return "{\n" + ",\n".join(fields) + "\n}\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, name: str, source: str = "tokenizer file") -> BPE:
+        """Parse and check a saved BPE; ``name`` (e.g. ``bpe-1024``) must be the one it holds."""
+
+        def bad(why: str) -> DataError:
+            return DataError(f"{source} is not a valid {name} tokenizer: {why}")
+
+        try:
+            obj = json.loads(text)
+            if obj["format"] != FORMAT:
+                raise bad(f"format {obj['format']!r}, expected {FORMAT!r}")
+            if obj["name"] != name:
+                raise bad(f"it holds {obj['name']!r}")
+            pattern, pairs = obj["pattern"], obj["merges"]
+            ids = {bytes([i]): i for i in range(256)}
+            merges = []
+            for left_hex, right_hex in pairs:
+                left, right = bytes.fromhex(left_hex), bytes.fromhex(right_hex)
+                if left not in ids or right not in ids or left + right in ids:
+                    raise bad(f"merge {len(merges)} ({left_hex} {right_hex}) is not a new merge")
+                ids[left + right] = len(ids)
+                merges.append((ids[left], ids[right]))
+            bpe = cls(name, pattern, tuple(merges))
+            if obj["vocab_size"] != bpe.vocab_size or obj["special_tokens"] != {
+                ENDOFTEXT: bpe.eot_token
+            }:
+                raise bad("vocab_size or special_tokens disagree with the merges")
+        except (ValueError, KeyError, TypeError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise bad(f"{type(e).__name__}: {e}") from None
+        return bpe
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    seconds: float  # total, splitting and counting included
+    bytes: int  # UTF-8 bytes of training text
+    chunks: int  # pre-split chunks
+    unique_chunks: int
+    skipped_pairs: int  # pairs not merged because their bytes were already a token
+
+
+def _merge(ids: list[int], left: int, right: int, new: int) -> list[int]:
+    """Replace each ``(left, right)`` in ``ids`` with ``new``, left to right."""
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == left and ids[i + 1] == right:
+            out.append(new)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def count_chunks(texts: Iterable[str], pattern: str = PATTERN) -> tuple[Counter[str], int]:
+    """Distinct pre-split chunks of ``texts`` with their counts, and the UTF-8 bytes read."""
+    split = regex.compile(pattern).findall
+    counts: Counter[str] = Counter()
+    nbytes = 0
+    for text in texts:
+        counts.update(split(text))
+        nbytes += len(text.encode("utf-8"))
+    return counts, nbytes
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, pattern: str = PATTERN
+) -> tuple[BPE, TrainStats]:
+    """Train ``bpe-<vocab_size>`` on ``texts`` (the training split's documents)."""
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"bpe-{vocab_size}: N must be at least {MIN_VOCAB}")
+    start = time.perf_counter()
+    counts, nbytes = count_chunks(texts, pattern)
+    words = [list(chunk.encode("utf-8")) for chunk in counts]
+    freqs = list(counts.values())
+
+    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
+    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> chunks with it
+    for i, word in enumerate(words):
+        for pair in pairwise(word):
+            pair_counts[pair] += freqs[i]
+            where[pair].add(i)
+    heap = [(-count, *pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+
+    tokens = [bytes([i]) for i in range(256)]
+    known = set(tokens)
+    merges: list[tuple[int, int]] = []
+    banned: set[tuple[int, int]] = set()  # pairs whose bytes are already a token
+    n_merges = vocab_size - MIN_VOCAB
+    while len(merges) < n_merges:
+        if not heap:
+            raise DataError(
+                f"bpe-{vocab_size} needs {n_merges} merges but the training split "
+                f"({nbytes:,} bytes) allows only {len(merges)}; use a smaller N or more text"
+            )
+        neg_count, left, right = heapq.heappop(heap)
+        pair = (left, right)
+        if pair_counts.get(pair) != -neg_count:
+            continue  # stale: the count changed after this entry was pushed
+        merged = tokens[left] + tokens[right]
+        if merged in known:
+            banned.add(pair)
+            del pair_counts[pair]
+            continue
+        new = len(tokens)
+        tokens.append(merged)
+        known.add(merged)
+        merges.append(pair)
+
+        delta: Counter[tuple[int, int]] = Counter()
+        for i in where.pop(pair):
+            old = words[i]
+            word = _merge(old, left, right, new)
+            if len(word) == len(old):
+                continue  # the pair left this chunk in an earlier merge
+            words[i] = word
+            for p in pairwise(old):
+                delta[p] -= freqs[i]
+            for p in pairwise(word):
+                delta[p] += freqs[i]
+                where[p].add(i)
+        for p, d in delta.items():
+            if d == 0 or p in banned:
+                continue
+            count = pair_counts[p] + d
+            if count > 0:
+                pair_counts[p] = count
+                heapq.heappush(heap, (-count, *p))
+            else:
+                pair_counts.pop(p, None)
+
+    bpe = BPE(f"bpe-{vocab_size}", pattern, tuple(merges))
+    stats = TrainStats(
+        seconds=time.perf_counter() - start,
+        bytes=nbytes,
+        chunks=sum(freqs),
+        unique_chunks=len(freqs),
+        skipped_pairs=len(banned),
+    )
+    return bpe, stats
