@@ -8,6 +8,7 @@ naming the key, before any data is prepared or memory is allocated.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,8 @@ def _positive_int(key: str, value: Any, allow_zero: bool = False) -> int:
 
 
 def _number(key: str, value: Any, low: float | None = None, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
         raise ConfigError(f"{key} must be in [{low}, {high}], got {value!r}")
     return float(value)
