@@ -75,8 +75,14 @@ class TrainSettings:
 
 @dataclass
 class OptimSettings:
-    name: str = "adamw"
-    lr: float = 1e-3  # peak learning rate
+    """The optimizer and its learning-rate schedule (trainer/optim.py, trainer/muon.py).
+
+    name=adamw: AdamW on every parameter. name=muon: Muon on the 2-D weight matrices inside the
+    transformer blocks, AdamW (lr, betas, eps, weight_decay) on everything else. The schedule
+    scales every group's peak rate (lr, muon_lr) by the same factor."""
+
+    name: str = "adamw"  # adamw | muon
+    lr: float = 1e-3  # peak learning rate (under muon: of the AdamW part)
     min_lr: float = 1e-4  # the schedule's floor
     weight_decay: float = 0.1  # on matrices and embeddings, never on biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
@@ -85,9 +91,15 @@ class OptimSettings:
     schedule: str = "cosine"  # cosine | wsd | constant
     decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    # name=muon only: the block matrices' optimizer (ignored by adamw)
+    muon_lr: float = 0.02  # peak learning rate of the Muon group
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations that orthogonalize each update
+    muon_weight_decay: float = 0.0  # decoupled, as AdamW's: p -= lr * wd * p
 
     def __post_init__(self) -> None:
-        _choice("optim.name", self.name, ("adamw",))
+        _choice("optim.name", self.name, ("adamw", "muon"))
         _number("optim.lr", self.lr, low=0.0)
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be positive, got {self.lr}")
@@ -103,6 +115,13 @@ class OptimSettings:
         _choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
         _number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
         _number("optim.grad_clip", self.grad_clip, low=0.0)
+        if _number("optim.muon_lr", self.muon_lr) <= 0:
+            raise ConfigError(f"optim.muon_lr must be positive, got {self.muon_lr}")
+        if not 0 <= _number("optim.muon_momentum", self.muon_momentum) < 1:
+            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        _bool("optim.muon_nesterov", self.muon_nesterov)
+        _positive_int("optim.muon_ns_steps", self.muon_ns_steps)
+        _number("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
 
 
 @dataclass

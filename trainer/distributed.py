@@ -236,9 +236,25 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 def load_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """The inverse of `optimizer_state`: under FSDP every rank keeps its shard of the state."""
+    """The inverse of `optimizer_state`: under FSDP every rank keeps its shard of the state.
+
+    The state (moments, momentum buffers, step counts) comes from the checkpoint; the groups'
+    hyperparameters (peak rates, betas, weight decay...) stay those of this run's config, so
+    that a resume may change them (the same config resumes exactly)."""
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != ours:
+        raise ConfigError(
+            f"the checkpoint's optimizer has parameter groups of {saved} parameters, this run's "
+            f"has {ours}: resume with the optim.name the checkpoint was trained with"
+        )
+    hyperparameters = [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+    ]
     if not isinstance(model, FSDPModule):
         optimizer.load_state_dict(state)
-        return
-    by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
-    set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
+    else:
+        by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
+        set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
+    for group, values in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(values)

@@ -1,4 +1,4 @@
-"""The training loop: next-token prediction with AdamW, evaluation, checkpoints and resume.
+"""The training loop: next-token prediction with AdamW or Muon, evaluation, checkpoints, resume.
 
 One optimizer step = `grad_accum_steps` micro-batches of `batch_size` windows on each of
 `world_size` ranks. Everything a resumed run needs to continue exactly where it stopped (weights,
@@ -54,7 +54,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
-from trainer.optim import build_optimizer, lr_at, set_lr
+from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -124,6 +124,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.dist = DistInfo.from_env()
+        if self.dist.enabled and cfg.parallel.strategy == "fsdp" and cfg.optim.name == "muon":
+            raise ConfigError(
+                "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
+                "matrices); use parallel.strategy=ddp"
+            )
         self.device = init_distributed(
             self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
         )
@@ -251,7 +256,7 @@ class Trainer:
         """One optimizer step; returns (mean loss over all ranks, gradient norm before
         clipping), the same on every rank, so that all ranks take the same decisions."""
         cfg = self.cfg
-        set_lr(self.optimizer, lr_at(self.state.step, cfg.optim, cfg.train.max_steps))
+        set_lr(self.optimizer, lr_scale(self.state.step, cfg.optim, cfg.train.max_steps))
         accum = cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):

@@ -1,65 +1,122 @@
-"""The optimizer and the learning-rate schedule."""
+"""The optimizer (AdamW, or Muon with AdamW: trainer/muon.py) and the learning-rate schedule.
+
+Every param group stores its peak rate as `base_lr`; the schedule is a shape, `lr_scale`, in
+[min_lr / lr, 1], and `set_lr` sets each group's rate to base_lr * scale, so that AdamW's and
+Muon's rates warm up and decay together.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from trainer.config import OptimSettings
+from trainer.muon import Muon
+
+
+def is_block_matrix(name: str, p: nn.Parameter) -> bool:
+    """A 2-D weight inside a transformer block (attention or MLP): what Muon trains."""
+    return name.startswith("transformer.h.") and p.dim() == 2
+
+
+def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, Any]]:
+    """AdamW's two groups, weight decay on matrices and embeddings (dim >= 2) and none on biases
+    and norm gains (they only shift or scale and gain nothing from being pulled to zero); under
+    muon the block matrices leave them for a third, Muon group. Each parameter is in exactly
+    one group (named_parameters lists a tied head once, as the embedding)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = settings.name == "muon"
+    to_muon = [p for n, p in named if muon and is_block_matrix(n, p)]
+    rest = [p for n, p in named if not (muon and is_block_matrix(n, p))]
+    adamw = {
+        "base_lr": settings.lr,
+        "lr": settings.lr,
+        "betas": settings.betas,
+        "eps": settings.eps,
+    }
+    decay = settings.weight_decay
+    groups = [
+        {**adamw, "params": [p for p in rest if p.dim() >= 2], "weight_decay": decay},
+        {**adamw, "params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if not muon:
+        return groups
+    for group in groups:
+        group["use_muon"] = False
+    groups.append(
+        {
+            "params": to_muon,
+            "use_muon": True,
+            "base_lr": settings.muon_lr,
+            "lr": settings.muon_lr,
+            "momentum": settings.muon_momentum,
+            "nesterov": settings.muon_nesterov,
+            "ns_steps": settings.muon_ns_steps,
+            "weight_decay": settings.muon_weight_decay,
+        }
+    )
+    return groups
 
 
 def build_optimizer(
     model: nn.Module, settings: OptimSettings, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW with two groups: weight decay on matrices and embeddings (dim >= 2), none on biases
-    and norm gains, which only shift or scale and gain nothing from being pulled to zero.
-    Fused kernel on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    """optim.name=adamw: torch's AdamW (fused kernel on CUDA). optim.name=muon: Muon for the
+    block matrices and AdamW for the rest, in one optimizer (trainer/muon.py). The AdamW groups
+    (group 0: matrices and embeddings, group 1: biases and gains) come first in both, so that
+    param_groups[0]["lr"] is always AdamW's rate."""
+    groups = param_groups(model, settings)
+    if settings.name == "muon":
+        return Muon(groups)
     return torch.optim.AdamW(
-        groups,
-        lr=settings.lr,
-        betas=settings.betas,
-        eps=settings.eps,
-        fused=device.type == "cuda",
+        groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=device.type == "cuda"
     )
 
 
-def lr_at(step: int, settings: OptimSettings, max_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based) of `max_steps`.
+def lr_scale(step: int, settings: OptimSettings, max_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `max_steps`, as a multiple of the
+    peak rate: from min_lr / lr to 1. A pure function of its arguments.
 
-    Linear warmup to `lr` over `warmup_steps` steps, then:
-      cosine:   half a cosine from lr down to min_lr at the last step
-      wsd:      warmup-stable-decay: lr until the last `decay_fraction` of steps, then linear to
-                min_lr
-      constant: lr
-    Every edge is defined: warmup_steps >= max_steps (warmup never ends), max_steps = 1,
-    min_lr = lr (flat).
+    Linear warmup to 1 over `warmup_steps` steps, then:
+      cosine:   half a cosine from 1 down to min_lr / lr at the end of the run
+      wsd:      warmup-stable-decay: 1 until the last `decay_fraction` of the run, then linear to
+                min_lr / lr
+      constant: 1
+    Every edge is defined: warmup_steps >= max_steps (warmup never ends), max_steps = 1 (the
+    one step is the last: min_lr, after any warmup), min_lr = lr (flat), decay_fraction 0
+    (wsd never decays) or 1 (wsd decays from the end of warmup).
     """
-    lr, min_lr = settings.lr, settings.min_lr
+    floor = settings.min_lr / settings.lr
     if step < settings.warmup_steps:
-        return lr * (step + 1) / settings.warmup_steps
+        return (step + 1) / settings.warmup_steps
     if settings.schedule == "constant":
-        return lr
+        return 1.0
     last = max_steps - 1
     if settings.schedule == "cosine":
         span = last - settings.warmup_steps
         progress = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (lr - min_lr)
-    # wsd
+        progress = min(progress, 1.0)
+        return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
+    # wsd: the decay is the last decay_fraction of the steps
     decay_steps = round(settings.decay_fraction * max_steps)
     decay_start = max(settings.warmup_steps, max_steps - decay_steps)
-    if step < decay_start or decay_steps == 0:
-        return lr
-    progress = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
-    return lr + min(progress, 1.0) * (min_lr - lr)
+    if decay_steps == 0 or step < decay_start:
+        progress = 0.0
+    else:
+        progress = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
+    progress = min(progress, 1.0)
+    return 1.0 if progress == 0.0 else floor + (1.0 - progress) * (1.0 - floor)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def lr_at(step: int, settings: OptimSettings, max_steps: int) -> float:
+    """The AdamW learning rate (peak optim.lr) at `step`: see `lr_scale`."""
+    return settings.lr * lr_scale(step, settings, max_steps)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, scale: float) -> None:
+    """Every group's rate to its peak (`base_lr`) times the schedule's `scale`."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = group["base_lr"] * scale

@@ -14,6 +14,7 @@ from tests.trainer.wandb_records import logged
 from trainer.checkpoint import CheckpointError, load_checkpoint
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
+from trainer.muon import Muon
 from trainer.optim import build_optimizer
 
 
@@ -40,6 +41,16 @@ def test_loss_falls(tmp_path, corpus):
     assert last < first - 1.0, (first, last)
 
 
+def test_loss_falls_with_muon(tmp_path, corpus):
+    trainer = make_trainer(
+        tmp_path, corpus, "optim=muon", "train.max_steps=30", "train.eval_interval=0"
+    )
+    trainer.run()
+    assert isinstance(trainer.optimizer, Muon)
+    first, last = trainer.losses[1], trainer.losses[30]
+    assert last < first - 1.0, (first, last)
+
+
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(tiny_config())
@@ -56,8 +67,10 @@ def test_overfits_one_batch():
     assert loss.item() < 0.05
 
 
-def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus):
-    overrides = ("model.dropout=0.1",)  # dropout: the RNG state must be restored too
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, optim):
+    # dropout: the RNG state must be restored too; muon: its momentum buffers and AdamW's moments
+    overrides = ("model.dropout=0.1", f"optim={optim}")
     straight = make_trainer(tmp_path / "a", corpus, *overrides)
     straight.run()
 

@@ -1,7 +1,8 @@
-"""The learning-rate schedules and AdamW's parameter groups."""
+"""The learning-rate schedules (by steps and by time), AdamW's and Muon's parameter groups."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -9,8 +10,12 @@ import torch
 
 from model import GPT
 from tests.conftest import tiny_config
+from tests.trainer.helpers import compose_run
 from trainer.config import ConfigError, OptimSettings
-from trainer.optim import build_optimizer, lr_at
+from trainer.distributed import load_optimizer_state
+from trainer.loop import Trainer
+from trainer.muon import Muon, zeropower_via_newtonschulz5
+from trainer.optim import build_optimizer, is_block_matrix, lr_at, lr_scale, param_groups, set_lr
 
 
 def schedule(max_steps: int, **kw) -> list[float]:
@@ -68,3 +73,201 @@ def test_decay_applies_to_matrices_only_and_each_parameter_once():
     assert all(p.dim() == 1 for p in no_decay["params"])  # biases and LayerNorm gains
     grouped = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert len(grouped) == len(set(grouped)) == len(list(model.parameters()))  # tied head once
+
+
+def test_every_group_follows_the_schedule_from_its_own_peak_rate():
+    settings = OptimSettings(name="muon", lr=1e-3, min_lr=1e-4, muon_lr=0.02, warmup_steps=0)
+    optimizer = build_optimizer(GPT(tiny_config()), settings, torch.device("cpu"))
+    scale = lr_scale(30, settings, 100)
+    set_lr(optimizer, scale)
+    adamw_decay, adamw_no_decay, muon = optimizer.param_groups
+    assert adamw_decay["lr"] == adamw_no_decay["lr"] == lr_at(30, settings, 100)
+    assert muon["lr"] == pytest.approx(0.02 * scale)
+    set_lr(optimizer, lr_scale(99, settings, 100))  # the end: each at its floor
+    assert muon["lr"] == pytest.approx(0.02 * 1e-4 / 1e-3)
+
+
+# ----- Muon ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape", [(32, 128), (128, 32), (48, 16), (16, 48), (40, 300), (300, 40), (96, 64), (1, 8)]
+)
+def test_newton_schulz_singular_values_are_near_one(shape):
+    """Random Gaussian matrices, wide and tall (a random square one may have a near-zero
+    singular value, which Newton-Schulz leaves small: see the next test)."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x = zeropower_via_newtonschulz5(g, steps=5)
+    assert x.shape == g.shape and x.dtype == torch.bfloat16
+    s = torch.linalg.svdvals(x.float())
+    assert s.min() >= 0.5 and s.max() <= 1.5, s  # Muon's band (~[0.68, 1.2] in exact arithmetic)
+
+
+def test_newton_schulz_approximates_the_orthogonal_polar_factor():
+    """For a square matrix with singular values in [0.1, 1], the output is close to
+    U V^T (the same rotation, every singular value near one) and its scale does not matter."""
+    gen = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(128, 128, generator=gen))
+    s = torch.linspace(0.1, 1.0, 128)
+    g = u @ torch.diag(s) @ v.T
+    x = zeropower_via_newtonschulz5(g).float()
+    singular = torch.linalg.svdvals(x)
+    assert singular.min() >= 0.5 and singular.max() <= 1.5
+    polar = u @ v.T
+    assert (x - polar).norm() / polar.norm() < 0.3
+    torch.testing.assert_close(zeropower_via_newtonschulz5(1e3 * g).float(), x, atol=0.02, rtol=0)
+
+
+def test_muon_trains_the_block_matrices_and_adamw_everything_else_each_once():
+    for tie in (True, False):
+        model = GPT(tiny_config(tie_embeddings=tie))
+        optimizer = build_optimizer(model, OptimSettings(name="muon"), torch.device("cpu"))
+        assert isinstance(optimizer, Muon)
+        decay, no_decay, muon = optimizer.param_groups
+        assert [g["use_muon"] for g in optimizer.param_groups] == [False, False, True]
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        grouped = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        assert len(grouped) == len(set(grouped)) == len(name_of)  # each once, a tied head once
+        muon_names = {name_of[id(p)] for p in muon["params"]}
+        expected = {
+            n
+            for n, p in model.named_parameters()
+            if n.startswith("transformer.h.") and p.dim() == 2
+        }
+        assert muon_names == expected and len(expected) == 4 * model.config.n_layer
+        adamw_matrices = {name_of[id(p)] for p in decay["params"]}
+        head = set() if tie else {"lm_head.weight"}
+        assert adamw_matrices == {"transformer.wte.weight", "transformer.wpe.weight"} | head
+        assert all(p.dim() == 1 for p in no_decay["params"])  # biases and norm gains
+
+
+def test_muon_adamw_part_is_torch_adamw():
+    """The embeddings, head, biases and gains get exactly AdamW's update."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    reference = GPT(tiny_config())
+    reference.load_state_dict(model.state_dict())
+    settings = OptimSettings(name="muon", lr=1e-2, weight_decay=0.1)
+    ours = build_optimizer(model, settings, torch.device("cpu"))
+    theirs = torch.optim.AdamW(
+        [g for g in param_groups(reference, settings) if not g["use_muon"]], foreach=False
+    )
+    for _ in range(3):
+        x = torch.randint(0, 101, (2, 16))
+        for m, opt in ((model, ours), (reference, theirs)):
+            m(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            if m is reference:  # keep the matrices that Muon trains the same in both
+                reference.load_state_dict({**reference.state_dict(), **block_matrices(model)})
+    for name, p in reference.named_parameters():
+        if not name.startswith("transformer.h.") or p.dim() < 2:
+            torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=1e-6)
+
+
+def block_matrices(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if is_block_matrix(n, p)}
+
+
+@pytest.mark.parametrize("shape, scale", [((64, 16), 2.0), ((16, 64), 1.0), ((32, 32), 1.0)])
+def test_muon_step_is_the_scaled_orthogonalized_momentum(shape, scale):
+    """First step from zero momentum: W -= muon_lr * sqrt(max(1, rows/cols)) * NS(u), where
+    Nesterov's u = beta * m + (1 - beta) * g with m = (1 - beta) * g is (1 - beta^2) * g.
+    (NS(g) itself differs from NS(u) by ~4%: bfloat16 rounds g and u differently.)"""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    before = w.detach().clone()
+    group = {"use_muon": True, "lr": 0.02, "base_lr": 0.02, "momentum": 0.95, "nesterov": True}
+    optimizer = Muon([{**group, "params": [w], "ns_steps": 5, "weight_decay": 0.0}])
+    w.grad = torch.randn(shape, generator=gen)
+    optimizer.step()
+    expected = 0.02 * scale * zeropower_via_newtonschulz5((1 - 0.95**2) * w.grad).float()
+    delta = before - w.detach()
+    assert (delta - expected).norm() / expected.norm() < 1e-3
+
+
+def test_muon_state_dict_resumes_bit_exactly():
+    torch.manual_seed(0)
+    settings = OptimSettings(name="muon", lr=1e-2, muon_weight_decay=0.01)
+    batches = [torch.randint(0, 101, (2, 16)) for _ in range(4)]
+
+    def train(model, optimizer, xs):
+        for x in xs:
+            model(x, x)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    straight = GPT(tiny_config())
+    start = {k: v.clone() for k, v in straight.state_dict().items()}
+    train(straight, build_optimizer(straight, settings, torch.device("cpu")), batches)
+
+    first = GPT(tiny_config())
+    first.load_state_dict(start)
+    optimizer = build_optimizer(first, settings, torch.device("cpu"))
+    train(first, optimizer, batches[:2])
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+
+    resumed = GPT(tiny_config())
+    resumed.load_state_dict(saved_model)
+    optimizer = build_optimizer(resumed, settings, torch.device("cpu"))
+    load_optimizer_state(resumed, optimizer, saved_optimizer)
+    train(resumed, optimizer, batches[2:])
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_a_resume_keeps_the_state_but_takes_the_configs_hyperparameters():
+    model = GPT(tiny_config())
+    old = build_optimizer(model, OptimSettings(name="muon", muon_lr=0.02), torch.device("cpu"))
+    model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+    old.step()
+    new = build_optimizer(
+        model, OptimSettings(name="muon", muon_lr=0.01, weight_decay=0.0), torch.device("cpu")
+    )
+    load_optimizer_state(model, new, old.state_dict())
+    assert new.param_groups[2]["base_lr"] == 0.01 and new.param_groups[0]["weight_decay"] == 0.0
+    for p in model.parameters():
+        for key, value in old.state[p].items():
+            assert torch.equal(new.state[p][key], value)
+
+
+def test_an_adamw_checkpoint_does_not_resume_under_muon():
+    model = GPT(tiny_config())
+    adamw = build_optimizer(model, OptimSettings(), torch.device("cpu"))
+    muon = build_optimizer(model, OptimSettings(name="muon"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="optim.name the checkpoint was trained with"):
+        load_optimizer_state(model, muon, adamw.state_dict())
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.name=sgd", "optim.name"),
+        ("optim.muon_lr=0", "optim.muon_lr"),
+        ("optim.muon_lr=abc", "optim.muon_lr"),
+        ("optim.muon_lr=nan", "optim.muon_lr"),
+        ("optim.muon_momentum=1.0", "optim.muon_momentum"),
+        ("optim.muon_momentum=-0.1", "optim.muon_momentum"),
+        ("optim.muon_nesterov=maybe", "optim.muon_nesterov"),
+        ("optim.muon_ns_steps=0", "optim.muon_ns_steps"),
+        ("optim.muon_ns_steps=2.5", "optim.muon_ns_steps"),
+        ("optim.muon_weight_decay=-1", "optim.muon_weight_decay"),
+    ],
+)
+def test_bad_muon_keys_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key} "):
+        compose_run([], "optim=muon", override)
+
+
+def test_the_muon_config_is_valid_and_names_muon():
+    settings, _ = compose_run([], "optim=muon")
+    assert settings.optim.name == "muon" and settings.optim.muon_lr == 0.02
+
+
+def test_muon_under_fsdp_is_refused_at_startup(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; refused before joining a group
+    settings, resolved = compose_run([], "optim=muon", "parallel.strategy=fsdp")
+    with pytest.raises(ConfigError, match="^optim.name=muon is not supported with .*fsdp"):
+        Trainer(settings, "unused", resolved)

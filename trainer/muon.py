@@ -1,0 +1,139 @@
+"""Muon (Keller Jordan, 2024) for the transformer's hidden matrices, AdamW for the rest.
+
+Why. A weight matrix W maps vectors to vectors, and what matters about an update to it is how
+much it changes W's outputs: its spectral norm. SGD and Adam updates of a matrix are dominated
+by a few directions (their singular values fall off steeply), so a learning rate small enough
+for the largest direction leaves the others barely trained. Muon replaces the momentum of the
+gradient, M = U S V^T, by its nearest semi-orthogonal matrix U V^T: every direction that the
+gradient moves is moved by the same amount. That has trained GPT-2-sized models in markedly
+fewer steps than AdamW (the modded-nanogpt speedruns, Moonlight).
+
+How. Momentum with Nesterov, then U V^T approximated without an SVD by a quintic Newton-Schulz
+iteration X <- a X + b (X X^T) X + c (X X^T)^2 X on X = M / ||M||_F, in bfloat16, 5 steps,
+(a, b, c) = (3.4445, -4.7750, 2.0315). The coefficients are tuned for speed, not for exact
+convergence: singular values land in roughly [0.68, 1.2] rather than at 1, which trains as well.
+Near-zero ones (below ~1e-3 of ||M||_F) are only multiplied by a^5 ~ 485 and stay small: the
+directions the gradient hardly moves are not blown up.
+
+Scale. Keller Jordan's convention (his `muon` package and modded-nanogpt's first records): the
+orthogonalized update is multiplied by sqrt(max(1, rows / cols)), so a tall matrix (nn.Linear's
+weight is (out, in): the MLP's c_fc, (4C, C), gets x2; c_attn, (3C, C), x1.7) moves its
+per-entry RMS by as much as a square one. Its learning rates are therefore not AdamW's: muon_lr
+~0.02 against AdamW's ~1e-3. (Moonlight instead scales by 0.2 sqrt(max(rows, cols)) to match
+AdamW's update RMS and reuse AdamW's rate and weight decay; not what this file does.)
+
+What gets which. Muon is for the 2-D matrices inside the blocks (attention and MLP). Embeddings
+and the language-model head (tied or not) are lookups / a classifier rather than maps between
+hidden states and do worse under Muon; biases and norm gains are not matrices. They all get
+AdamW, in this same optimizer, so the training loop, the gradient scaler and checkpoints see a
+single torch.optim.Optimizer whose state_dict resumes both parts exactly.
+
+Distributed. Under DDP the gradients are already all-reduced when `step` runs, so every rank
+computes the same update. Under FSDP each rank holds a shard of each matrix, and the
+orthogonalization needs the whole matrix: the trainer refuses muon with parallel.strategy=fsdp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """An approximately semi-orthogonal matrix U V^T for g = U S V^T (2-D), in bfloat16.
+
+    The Frobenius normalization puts every singular value in (0, 1], where the quintic's
+    iteration pushes them towards ~1. Wide or tall: iterate on the wide orientation, whose
+    Gram matrix X X^T is the smaller one."""
+    if g.dim() != 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(g.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the param groups with `use_muon=True`, AdamW on the others (see the module doc).
+
+    Muon groups: lr, momentum, nesterov, ns_steps, weight_decay; their parameters must be 2-D.
+    AdamW groups: lr, betas, eps, weight_decay; the same arithmetic as torch.optim.AdamW.
+    Every group also keeps `base_lr`, its peak rate, which the schedule scales (set_lr)."""
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]]):
+        groups = [dict(g) for g in param_groups]
+        for group in groups:
+            group["params"] = list(group["params"])
+            if "use_muon" not in group:
+                raise ValueError("every Muon param group needs use_muon=True or False")
+            for p in group["params"]:
+                if isinstance(p, DTensor):
+                    raise ValueError(
+                        "Muon needs whole matrices; it does not support sharded (FSDP) parameters"
+                    )
+                if group["use_muon"] and p.dim() != 2:
+                    raise ValueError(f"Muon orthogonalizes matrices; got shape {tuple(p.shape)}")
+        super().__init__(groups, defaults={})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        lr, beta = group["lr"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - beta)  # buf = beta * buf + (1 - beta) * grad
+            # Nesterov: look ahead along the momentum (grad is not modified in place).
+            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            update = zeropower_via_newtonschulz5(update, group["ns_steps"])
+            scale = math.sqrt(max(1.0, p.size(0) / p.size(1)))
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update.to(p.dtype), alpha=-lr * scale)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            step = state["step"].item()
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(p.grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
