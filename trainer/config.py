@@ -52,7 +52,8 @@ class TrainSettings:
     batch_size: int = 16  # sequences per micro-batch (per rank when distributed)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     max_steps: int = 1000  # optimizer steps
-    max_seconds: float | None = None  # wall-clock budget for the training loop
+    # wall-clock budget for the training loop; the lr schedule then decays by time as well
+    max_seconds: float | None = None
     eval_interval: int = 100  # steps between evaluations (0: only at the end)
     eval_steps: int = 20  # batches per periodic evaluation (a fixed subset of val)
     ckpt_interval: int = 100  # steps between `last` checkpoints (0: only at the end)
@@ -89,7 +90,7 @@ class OptimSettings:
     eps: float = 1e-8
     warmup_steps: int = 100  # linear warmup from lr / warmup_steps to lr
     schedule: str = "cosine"  # cosine | wsd | constant
-    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps (or max_seconds) that decays
     grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
     # name=muon only: the block matrices' optimizer (ignored by adamw)
     muon_lr: float = 0.02  # peak learning rate of the Muon group

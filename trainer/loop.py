@@ -256,7 +256,12 @@ class Trainer:
         """One optimizer step; returns (mean loss over all ranks, gradient norm before
         clipping), the same on every rank, so that all ranks take the same decisions."""
         cfg = self.cfg
-        set_lr(self.optimizer, lr_scale(self.state.step, cfg.optim, cfg.train.max_steps))
+        budget = cfg.train.max_seconds  # the schedule ends by the deadline too: see lr_scale
+        time_fraction = self.state.elapsed / budget if budget else 0.0
+        set_lr(
+            self.optimizer,
+            lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction),
+        )
         accum = cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):

@@ -76,7 +76,9 @@ def build_optimizer(
     )
 
 
-def lr_scale(step: int, settings: OptimSettings, max_steps: int) -> float:
+def lr_scale(
+    step: int, settings: OptimSettings, max_steps: int, time_fraction: float = 0.0
+) -> float:
     """The learning rate of optimizer step `step` (0-based) of `max_steps`, as a multiple of the
     peak rate: from min_lr / lr to 1. A pure function of its arguments.
 
@@ -85,35 +87,45 @@ def lr_scale(step: int, settings: OptimSettings, max_steps: int) -> float:
       wsd:      warmup-stable-decay: 1 until the last `decay_fraction` of the run, then linear to
                 min_lr / lr
       constant: 1
+    The end of the run is the last step, or, with a time budget (train.max_seconds), the moment
+    it is spent, whichever comes first: `time_fraction` is elapsed / max_seconds (0 without a
+    budget), and the decay's progress is the larger of the step-based and the time-based one.
+    So a run with max_steps set high still decays fully by its deadline. Warmup is counted in
+    steps only. A time-based schedule is not bit-reproducible on resume (the elapsed time at
+    each step differs from run to run); the step-based one is.
+
     Every edge is defined: warmup_steps >= max_steps (warmup never ends), max_steps = 1 (the
     one step is the last: min_lr, after any warmup), min_lr = lr (flat), decay_fraction 0
-    (wsd never decays) or 1 (wsd decays from the end of warmup).
+    (wsd never decays, not even by time) or 1 (wsd decays from the end of warmup).
     """
     floor = settings.min_lr / settings.lr
     if step < settings.warmup_steps:
         return (step + 1) / settings.warmup_steps
     if settings.schedule == "constant":
         return 1.0
+    by_time = min(max(time_fraction, 0.0), 1.0)
     last = max_steps - 1
     if settings.schedule == "cosine":
         span = last - settings.warmup_steps
-        progress = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
-        progress = min(progress, 1.0)
+        by_steps = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
+        progress = min(max(by_steps, by_time), 1.0)
         return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
-    # wsd: the decay is the last decay_fraction of the steps
-    decay_steps = round(settings.decay_fraction * max_steps)
+    # wsd: the decay is the last decay_fraction of the steps, or of the time budget
+    fraction = settings.decay_fraction
+    decay_steps = round(fraction * max_steps)
     decay_start = max(settings.warmup_steps, max_steps - decay_steps)
     if decay_steps == 0 or step < decay_start:
-        progress = 0.0
+        by_steps = 0.0
     else:
-        progress = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
-    progress = min(progress, 1.0)
+        by_steps = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
+    by_time = max(0.0, (by_time - (1.0 - fraction)) / fraction) if fraction > 0 else 0.0
+    progress = min(max(by_steps, by_time), 1.0)
     return 1.0 if progress == 0.0 else floor + (1.0 - progress) * (1.0 - floor)
 
 
-def lr_at(step: int, settings: OptimSettings, max_steps: int) -> float:
+def lr_at(step: int, settings: OptimSettings, max_steps: int, time_fraction: float = 0.0) -> float:
     """The AdamW learning rate (peak optim.lr) at `step`: see `lr_scale`."""
-    return settings.lr * lr_scale(step, settings, max_steps)
+    return settings.lr * lr_scale(step, settings, max_steps, time_fraction)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, scale: float) -> None:

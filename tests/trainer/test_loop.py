@@ -51,6 +51,25 @@ def test_loss_falls_with_muon(tmp_path, corpus):
     assert last < first - 1.0, (first, last)
 
 
+def test_the_time_budget_ends_the_schedule_for_every_group(tmp_path, corpus):
+    """With max_steps far away, the rates reach their floors when max_seconds is spent (the
+    elapsed time is set, not measured: the schedule is a function of it)."""
+    trainer = make_trainer(
+        tmp_path, corpus, "optim=muon", "train.max_steps=100000", "train.max_seconds=300"
+    )
+    optim = trainer.cfg.optim
+    trainer.state.step = 10  # past warmup, nowhere near max_steps
+    trainer.state.elapsed = 150.0
+    trainer.train_step()
+    half = [g["lr"] / g["base_lr"] for g in trainer.optimizer.param_groups]
+    assert half == pytest.approx([(1 + optim.min_lr / optim.lr) / 2] * 3, rel=1e-3)
+    trainer.state.elapsed = 300.0
+    trainer.train_step()
+    rates = [g["lr"] for g in trainer.optimizer.param_groups]
+    floor = optim.min_lr / optim.lr
+    assert rates == pytest.approx([optim.min_lr, optim.min_lr, optim.muon_lr * floor])
+
+
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(tiny_config())

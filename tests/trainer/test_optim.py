@@ -75,6 +75,80 @@ def test_decay_applies_to_matrices_only_and_each_parameter_once():
     assert len(grouped) == len(set(grouped)) == len(list(model.parameters()))  # tied head once
 
 
+# ----- the time budget ------------------------------------------------------------------------
+
+
+def test_time_budget_ends_the_cosine_even_when_max_steps_is_far_away():
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=10)
+    far = 1_000_000  # a 300-second speedrun with max_steps set high
+    assert lr_at(500, settings, far, time_fraction=0.0) == pytest.approx(1.0, abs=1e-4)
+    assert lr_at(500, settings, far, time_fraction=0.5) == pytest.approx(0.55, abs=1e-4)
+    assert lr_at(500, settings, far, time_fraction=1.0) == pytest.approx(0.1)
+    lrs = [lr_at(500, settings, far, time_fraction=t / 100) for t in range(101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_the_further_along_of_steps_and_time_sets_the_progress():
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0)
+    assert lr_at(99, settings, 100, time_fraction=0.1) == pytest.approx(0.1)  # steps are done
+    assert lr_at(0, settings, 100, time_fraction=1.0) == pytest.approx(0.1)  # time is up
+    assert lr_at(0, settings, 100, time_fraction=7.0) == lr_at(0, settings, 100, 1.0)  # clamped
+    assert lr_at(50, settings, 101, time_fraction=-1.0) == lr_at(50, settings, 101)
+
+
+def test_warmup_is_counted_in_steps_even_when_time_is_up():
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(4, settings, 1000, time_fraction=1.0) == pytest.approx(0.5)
+
+
+def test_wsd_decays_over_the_last_fraction_of_the_time_budget():
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="wsd")
+    far = 1_000_000
+    assert lr_at(10, settings, far, time_fraction=0.79) == 1.0  # still stable
+    assert lr_at(10, settings, far, time_fraction=0.9) == pytest.approx(0.55)  # half-way down
+    assert lr_at(10, settings, far, time_fraction=1.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("time_fraction", [0.0, 0.5, 1.0])
+def test_wsd_decay_fraction_edges(time_fraction):
+    never = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="wsd", decay_fraction=0.0)
+    assert [lr_at(s, never, 10, time_fraction) for s in range(2, 10)] == [1.0] * 8
+    whole = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="wsd", decay_fraction=1.0)
+    lrs = [lr_at(s, whole, 10, time_fraction) for s in range(2, 10)]  # decays right after warmup
+    assert lrs[-1] == pytest.approx(0.1)
+    if time_fraction == 0.0:
+        assert lrs[0] == 1.0
+        assert [a - b for a, b in zip(lrs, lrs[1:], strict=False)] == pytest.approx([0.9 / 7] * 7)
+
+
+def test_constant_schedule_ignores_the_clock():
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="constant")
+    assert lr_at(5, settings, 100, time_fraction=1.0) == 1.0
+
+
+@pytest.mark.parametrize("time_fraction", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("kind", ["cosine", "wsd", "constant"])
+@pytest.mark.parametrize("decay_fraction", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize(
+    "max_steps, warmup, min_lr",
+    [(1, 0, 0.1), (1, 5, 0.1), (5, 5, 0.1), (3, 10, 0.1), (10, 0, 1.0), (2, 1, 0.0)],
+)
+def test_edges_with_a_clock_give_finite_rates_within_bounds(
+    kind, decay_fraction, time_fraction, max_steps, warmup, min_lr
+):
+    settings = OptimSettings(
+        lr=1.0,
+        min_lr=min_lr,
+        warmup_steps=warmup,
+        schedule=kind,
+        decay_fraction=decay_fraction,
+    )
+    for step in range(max_steps):
+        scale = lr_scale(step, settings, max_steps, time_fraction)
+        assert math.isfinite(scale)
+        assert min(min_lr, 1 / max(warmup, 1)) - 1e-12 <= scale <= 1.0
+
+
 def test_every_group_follows_the_schedule_from_its_own_peak_rate():
     settings = OptimSettings(name="muon", lr=1e-3, min_lr=1e-4, muon_lr=0.02, warmup_steps=0)
     optimizer = build_optimizer(GPT(tiny_config()), settings, torch.device("cpu"))
