@@ -14,7 +14,6 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from data import get_tokenizer
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
@@ -91,7 +90,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
     ckpt = load_checkpoint(path, device)
     model = ckpt.model.to(dtype).eval()
-    tokenizer = get_tokenizer(ckpt.run_config.get("data", {}).get("tokenizer", "gpt2"))
+    tokenizer = ckpt.tokenizer()
     eot = tokenizer.eot_token
 
     ids = tokenizer.encode_ordinary(prompt) or [eot]

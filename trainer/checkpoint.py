@@ -5,6 +5,8 @@ Layout of one checkpoint directory (`<run_dir>/checkpoints/last/` or `.../best/`
     model.safetensors   the weights (tensors only: loading them cannot run code)
     config.json         {"model": GPTConfig fields, "run": the resolved run config, "meta": {...}}
     trainer.pt          optimizer, step, RNG and data position; loaded with weights_only=True
+    tokenizer.json      a trained tokenizer (data.tokenizer=bpe-<N>), so that the checkpoint
+                        alone can sample and evaluate; absent for built-in tokenizers
     manifest.json       size and sha256 of each file above; written last
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a crash at
@@ -26,10 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tiktoken
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from model import GPT, GPTConfig
 
 MODEL_FILE = "model.safetensors"
@@ -49,6 +53,17 @@ class Checkpoint:
     run_config: dict[str, Any]
     meta: dict[str, Any]
     trainer_state: dict[str, Any] | None = field(default=None)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The data.tokenizer the model was trained with."""
+        data = self.run_config.get("data") or {}
+        return self.meta.get("tokenizer") or data.get("tokenizer") or "gpt2"
+
+    def tokenizer(self) -> tiktoken.Encoding:
+        """The tokenizer the model was trained with, from the checkpoint alone (a trained one
+        from its verified copy of tokenizer.json)."""
+        return load_tokenizer(self.tokenizer_name, self.path)
 
 
 def _sha256(path: Path) -> str:
@@ -110,15 +125,17 @@ def save_checkpoint(
     run_config: dict[str, Any],
     meta: dict[str, Any],
     trainer_state: dict[str, Any] | None = None,
+    tokenizer_file: str | Path | None = None,
 ) -> Path:
-    """Write a complete checkpoint at `path`, replacing any previous one atomically.
+    """Write a complete checkpoint at `path`, replacing any previous one atomically;
+    `tokenizer_file` (a trained tokenizer's file) is copied in as tokenizer.json.
 
     A write that fails (a read-only directory, a full disk) raises CheckpointError naming the
     path and the cause; the previous checkpoint at `path` is left as it was, and the partial
     new one is removed."""
     path = Path(path)
     try:
-        _write_checkpoint(path, model, run_config, meta, trainer_state)
+        _write_checkpoint(path, model, run_config, meta, trainer_state, tokenizer_file)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {path}: {e.strerror or e}; {_previous(path)}"
@@ -143,6 +160,7 @@ def _write_checkpoint(
     run_config: dict[str, Any],
     meta: dict[str, Any],
     trainer_state: dict[str, Any] | None,
+    tokenizer_file: str | Path | None = None,
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # A crash between the two renames below left the only complete checkpoint at `old`: put it
@@ -161,6 +179,10 @@ def _write_checkpoint(
             with _os_errors(tmp / TRAINER_FILE), open(tmp / TRAINER_FILE, "wb") as f:
                 torch.save(trainer_state, f)
             files.append(TRAINER_FILE)
+        if tokenizer_file is not None:
+            with _os_errors(tmp / TOKENIZER_FILE):
+                shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+            files.append(TOKENIZER_FILE)
         manifest = {
             name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
             for name in files

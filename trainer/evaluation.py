@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from data import get_tokenizer, iter_eval_batches, prepare
+from data import DataError, iter_eval_batches, prepare
+from data.tokenizer import tokenizer_fingerprint
 from model import GPT
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 from trainer.device import Precision, resolve_device, resolve_precision
@@ -123,7 +124,7 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     ckpt = load_checkpoint(path, device)
-    tokenizer_name = ckpt.meta.get("tokenizer") or ckpt.run_config["data"]["tokenizer"]
+    tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
         if not file.is_file():
@@ -133,11 +134,17 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"text_file {file} is not UTF-8 (invalid byte at {e.start})") from None
-        tokenizer = get_tokenizer(tokenizer_name)
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(raw)
     else:
         data = prepare(ckpt.run_config["data"], verbose=False)
+        if tokenizer_fingerprint(data.tokenizer_name, data.dir) != tokenizer_fingerprint(
+            ckpt.tokenizer_name, ckpt.path
+        ):
+            raise DataError(
+                f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "
+                f"{path} (its training text changed since); evaluate with text_file=<path>"
+            )
         tokens = data.tokens("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
     stride = cfg["stride"]

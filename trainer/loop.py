@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from data import PreparedData, get_tokenizer, prepare
+from data import PreparedData, prepare
 from data.sampler import BatchSampler
+from data.tokenizer import tokenizer_fingerprint
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig
 from trainer.checkpoint import (
@@ -144,7 +145,7 @@ class Trainer:
 
         with main_first():
             self.data = prepare(cfg.data, verbose=self.dist.is_main)
-        self.tokenizer = get_tokenizer(self.data.tokenizer_name)
+        self.tokenizer = self.data.tokenizer()
         self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
@@ -185,6 +186,15 @@ class Trainer:
             raise CheckpointError(
                 f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
                 f"run's model is {self.model.config.to_dict()}; resume with the same model config"
+            )
+        data = self.data
+        if tokenizer_fingerprint(ckpt.tokenizer_name, ckpt.path) != tokenizer_fingerprint(
+            data.tokenizer_name, data.dir
+        ):
+            raise CheckpointError(
+                f"the checkpoint at {source} was trained with another {ckpt.tokenizer_name} "
+                f"tokenizer than this run's data ({data.tokenizer_name} in {data.dir}; a "
+                "trained one changes with its training text); resume with the same data"
             )
         return ckpt
 
@@ -232,7 +242,14 @@ class Trainer:
         model = full_model(self.model)
         trainer_state = self._trainer_state() if with_trainer_state else None
         if self.dist.is_main:
-            save_checkpoint(path, model, self.resolved_config, self._meta(**meta), trainer_state)
+            save_checkpoint(
+                path,
+                model,
+                self.resolved_config,
+                self._meta(**meta),
+                trainer_state,
+                tokenizer_file=self.data.tokenizer_file,
+            )
         barrier()
         return path
 
