@@ -46,10 +46,11 @@ ENDOFTEXT = "<|endoftext|>"
 FORMAT = "causalgpt-bpe/1"  # the file layout
 TRAINER_VERSION = 1  # bump when training would give other merges for the same text
 # GPT-4's (cl100k_base) split pattern, copied from tiktoken_ext/openai_public.py. Unlike GPT-2's,
-# it keeps newlines apart from other whitespace (a line break is a token of its own, not glued to
-# the next line's indentation), caps digit runs at 3, matches contractions in any case, and lets
-# one punctuation mark lead a word ("_Enter", "'tis"). On Shakespeare it compresses better than
-# GPT-2's pattern at every size we tried (see data/README_DATA.md).
+# it ends trailing spaces and punctuation with their line breaks ("  \n", the markdown line break
+# that ends most of Shakespeare's verse lines, and ".\n\n" are one chunk each, not two or three),
+# lets one punctuation mark lead a word ("_Enter"), caps digit runs at 3 and matches contractions
+# in any case. On Shakespeare it compresses better than GPT-2's pattern at every N we tried
+# (data/README_DATA.md).
 PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
