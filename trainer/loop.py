@@ -169,9 +169,7 @@ class Trainer:
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         if resume_from is not None:
             self._resume(resume_from)
-        self.step_model = (
-            torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
-        )
+        self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
 
     # ----- checkpoints ---------------------------------------------------------------------
 

@@ -91,8 +91,10 @@ def lr_scale(
     it is spent, whichever comes first: `time_fraction` is elapsed / max_seconds (0 without a
     budget), and the decay's progress is the larger of the step-based and the time-based one.
     So a run with max_steps set high still decays fully by its deadline. Warmup is counted in
-    steps only. A time-based schedule is not bit-reproducible on resume (the elapsed time at
-    each step differs from run to run); the step-based one is.
+    steps only; a cosine then goes on from where the clock already is (a warmup that took 10% of
+    the budget hands over at 0.5 (1 + cos(0.1 pi)) = 0.98 of the way from floor to peak).
+    A time-based schedule is not bit-reproducible on resume (the elapsed time at each step
+    differs from run to run); the step-based one is.
 
     Every edge is defined: warmup_steps >= max_steps (warmup never ends), max_steps = 1 (the
     one step is the last: min_lr, after any warmup), min_lr = lr (flat), decay_fraction 0
