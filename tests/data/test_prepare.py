@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare
-from data.cache import read_valid_meta
+from data.cache import read_valid_meta, sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +78,16 @@ def test_val_fraction_holds_out_whole_files(tmp_path: Path) -> None:
     assert splits["val"]["documents"] == 2 and splits["train"]["documents"] == 8
     again = prepare({**cfg, "cache_dir": str(tmp_path / "other")}, verbose=False)
     assert np.array_equal(again.tokens("val"), prepared.tokens("val"))  # seeded, fixed
+
+
+def test_sha256_file_streams_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blob = os.urandom(2500)
+    (tmp_path / "f").write_bytes(blob)
+    monkeypatch.setattr(data.cache, "HASH_CHUNK", 1000)  # 2.5 chunks: the loop and its tail
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read the whole file"))
+    assert sha256_file(tmp_path / "f") == hashlib.sha256(blob).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert sha256_file(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
 
 
 def test_truncated_token_file_is_rebuilt(shakespeare: PreparedData, tmp_path: Path) -> None:
