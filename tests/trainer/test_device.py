@@ -1,0 +1,65 @@
+"""The peak FLOP/s that MFU is measured against: datasheet figures for known GPUs (matched by
+the name torch reports), none for unknown ones, a measured rate on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.device import Precision, peak_flops
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def gpu_peak(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype):
+    """peak_flops on a CUDA GPU that torch names `name` (no GPU needed)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return peak_flops(Precision(torch.device("cuda"), dtype))
+
+
+@pytest.mark.parametrize(
+    "name, dtype, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", BF16, 989e12),
+        ("NVIDIA H100 80GB HBM3", FP32, 67e12),
+        ("NVIDIA H100 PCIe", BF16, 756e12),  # not the SXM figure, though "H100" matches too
+        ("NVIDIA H200", FP16, 989e12),
+        ("NVIDIA A100-SXM4-80GB", BF16, 312e12),
+        ("NVIDIA A100-PCIE-40GB", FP32, 19.5e12),
+        ("NVIDIA A10G", BF16, 70e12),
+        ("NVIDIA L40S", BF16, 362e12),  # not the L4's, though "L4" matches too
+        ("NVIDIA L4", BF16, 121e12),
+        ("NVIDIA GeForce RTX 4090", BF16, 165e12),
+        ("NVIDIA GeForce RTX 3090", FP16, 71e12),
+        ("Tesla V100-SXM2-16GB", FP16, 125e12),
+        ("Tesla T4", FP16, 65e12),
+    ],
+)
+def test_known_gpus_get_their_datasheet_figure(monkeypatch, name, dtype, expected):
+    flops, source = gpu_peak(monkeypatch, name, dtype)
+    assert flops == expected
+    assert source == f"{name} datasheet"
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("NVIDIA GeForce GTX 1080", BF16),  # not in the table
+        ("Tesla V100-SXM2-16GB", BF16),  # in the table, but without bfloat16
+    ],
+)
+def test_an_unknown_gpu_or_dtype_gives_no_mfu(monkeypatch, name, dtype):
+    flops, source = gpu_peak(monkeypatch, name, dtype)
+    assert flops is None
+    assert "no MFU" in source and name in source
+
+
+def test_the_cpu_figure_is_measured_on_this_machine():
+    flops, source = peak_flops(Precision(torch.device("cpu"), FP32))
+    assert source == "measured CPU matmul peak"
+    assert 1e8 < flops < 1e14  # 0.1 GFLOP/s to 100 TFLOP/s: a real rate, not 0 or inf
+
+
+def test_other_devices_give_no_mfu():
+    flops, source = peak_flops(Precision(torch.device("mps"), FP32))
+    assert flops is None and "no MFU" in source
