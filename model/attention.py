@@ -5,6 +5,10 @@
                  Y_h = S_h V_h
     Y = concat(Y_1, ..., Y_H) W_O                           (d_k = d_model / H)
 
+Options, applied to Q_h and K_h after the split into heads and in this order: `qk_norm: true`
+replaces them by RMSNorm(Q_h), RMSNorm(K_h) (one gain of d_k entries each, shared by the
+heads), and `pos_embedding: rope` rotates them by their positions (model/rope.py).
+
 `attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
 scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
 `attention: flash` computes the same thing tile by tile without ever storing S, so its memory
@@ -22,6 +26,8 @@ from torch import nn
 from model.config import GPTConfig
 from model.flash_attention import flash_causal_attention
 from model.kv_cache import KVCache
+from model.norm import RMSNorm
+from model.rope import apply_rope
 
 
 def causal_attention(
@@ -50,6 +56,10 @@ class CausalSelfAttention(nn.Module):
         self.flash_blocks = (config.flash_block_q, config.flash_block_k)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size)
+            self.k_norm = RMSNorm(config.head_size)
         self.resid_dropout = nn.Dropout(config.dropout)
         # allowed[i, j] is True when position i may look at position j, i.e. j <= i.
         # A buffer (not recomputed per call) so that tests can swap in a leaky mask as a
@@ -58,15 +68,25 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", allowed, persistent=False)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
-        earlier ones come from the cache. Returns (y, S) where S is None unless need_weights."""
+        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions, each
+        (T, hs/2), when pos_embedding is rope. Returns (y, S) where S is None unless
+        need_weights."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
 
         past = 0
         if cache is not None:

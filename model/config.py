@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from math import inf
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,14 @@ import yaml
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 ATTENTION_IMPLS = ("manual", "sdpa", "flash")
+POS_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "relu2", "swiglu")
+
+
+def _positive_number(value: Any) -> bool:
+    """A finite int or float > 0 (YAML's true and false are not numbers)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < inf
 
 
 @dataclass
@@ -33,6 +42,17 @@ class GPTConfig:
     # 1.5x faster than 64 x 64 (fewer Python-level tile steps), within noise of 128 x 256
     flash_block_q: int = 128
     flash_block_k: int = 128
+    # Architecture options; the defaults are GPT-2's (model/gpt.py's docstring shows each one).
+    # learned: a wpe table added to the token embeddings | rope: q and k rotated per head
+    pos_embedding: str = "learned"
+    rope_base: float = 10000.0  # rope: theta_i = rope_base^(-2i / head_size)
+    norm: str = "layernorm"  # the blocks' and the final norm: layernorm | rmsnorm
+    qk_norm: bool = False  # RMSNorm of each head's q and k, before RoPE (as modded-nanogpt)
+    # gelu: GPT-2's | relu2: ReLU(x)^2 | swiglu: SiLU(x W1) * (x W3), 2/3 as wide (mlp_hidden)
+    mlp: str = "gelu"
+    mlp_ratio: float = 4  # the MLP's hidden width over n_embd (see mlp_hidden)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap); null: off
+    zero_init_proj: bool = False  # residual output projections start at zero (modded-nanogpt)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
@@ -56,13 +76,47 @@ class GPTConfig:
                 f"model.attention={self.attention!r} is unknown; "
                 f"choose one of {list(ATTENTION_IMPLS)}"
             )
-        for name in ("bias", "tie_embeddings"):
+        for name in ("bias", "tie_embeddings", "qk_norm", "zero_init_proj"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        for name, choices in (("pos_embedding", POS_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(
+                    f"model.{name}={value!r} is unknown; choose one of {list(choices)}"
+                )
+        for name in ("rope_base", "mlp_ratio"):
+            value = getattr(self, name)
+            if not _positive_number(value):
+                raise ValueError(f"model.{name} must be a positive number, got {value!r}")
+        if self.logit_softcap is not None and not _positive_number(self.logit_softcap):
+            raise ValueError(
+                f"model.logit_softcap must be a positive number or null, got {self.logit_softcap!r}"
+            )
+        if self.pos_embedding == "rope" and self.head_size % 2 != 0:
+            raise ValueError(
+                f"model.pos_embedding=rope rotates pairs of dimensions: the head size "
+                f"n_embd / n_head = {self.head_size} must be even"
+            )
+        if self.mlp_hidden < 1:
+            raise ValueError(
+                f"model.mlp_ratio={self.mlp_ratio} gives the MLP no hidden units "
+                f"at n_embd={self.n_embd}"
+            )
 
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: mlp_ratio * n_embd (rounded). swiglu has three matrices instead
+        of two, so it gets 2/3 of that width, rounded up to a multiple of 8: the same parameter
+        count as gelu/relu2 to within 8 * 3 * n_embd (n_embd 768: 2048 instead of 3072)."""
+        hidden = round(self.mlp_ratio * self.n_embd)
+        if self.mlp == "swiglu":
+            return -(-2 * hidden // 24) * 8  # ceil(2/3 * hidden / 8) * 8, in integers
+        return hidden
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:

@@ -1,8 +1,21 @@
 """The GPT: token + position embeddings, n_layer pre-norm blocks, final norm, language-model head.
 
 x = wte[idx] + wpe[0..T)                     # (B, T, C)
-for each block:  x = x + Attn(LN(x));  x = x + MLP(LN(x))
-logits = LN(x) @ W_head^T                    # (B, T, vocab), W_head = wte unless untied
+for each block:  x = x + Attn(Norm(x));  x = x + MLP(Norm(x))
+logits = Norm(x) @ W_head^T                  # (B, T, vocab), W_head = wte unless untied
+
+The defaults are GPT-2 (model/hf.py loads its weights); each option of GPTConfig changes one line:
+
+  pos_embedding  learned: + wpe[0..T) as above | rope: no wpe; Attn rotates each head's q and k
+                 by their positions (model/rope.py)
+  norm           layernorm: LN(x) = (x - mean) / std * g + b | rmsnorm: x / rms(x) * g
+  qk_norm        true: Attn RMS-normalises each head's q and k (before rope)
+  mlp            gelu:   MLP(x) = GELU(x W_fc) W_proj                 (hidden: mlp_ratio * C)
+                 relu2:  MLP(x) = ReLU(x W_fc)^2 W_proj               (hidden: mlp_ratio * C)
+                 swiglu: MLP(x) = (SiLU(x W_1) * (x W_3)) W_proj      (hidden: 2/3 mlp_ratio * C)
+  logit_softcap  cap: logits = cap * tanh(logits / cap), so |logits| < cap (loss included)
+  tie_embeddings false: W_head is its own matrix
+  zero_init_proj true: the projections into the residual stream (W_O, W_proj) start at zero
 """
 
 from __future__ import annotations
@@ -16,18 +29,33 @@ from torch import nn
 from model.attention import CausalSelfAttention
 from model.config import GPTConfig
 from model.kv_cache import KVCache
+from model.norm import make_norm
+from model.rope import RotaryTables
 
 
 class MLP(nn.Module):
+    """gelu and relu2: act(x W_fc) W_proj. swiglu: c_fc holds W_1 and W_3 side by side (one
+    matmul, split in two, as c_attn holds W_Q, W_K, W_V) and the activation is SiLU(a) * b."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.kind = config.mlp
+        hidden = config.mlp_hidden
+        fc_out = 2 * hidden if config.mlp == "swiglu" else hidden
+        self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C) -> (B, T, C)
+        h = self.c_fc(x)  # (B, T, hidden), swiglu: (B, T, 2 * hidden)
+        if self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")  # GPT-2's GELU
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:  # swiglu
+            a, b = h.chunk(2, dim=-1)  # x W_1, x W_3: (B, T, hidden) each
+            h = F.silu(a) * b
+        return self.dropout(self.c_proj(h))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -35,15 +63,19 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a, probs = self.attn(self.ln_1(x), cache, need_weights)
+        a, probs = self.attn(self.ln_1(x), cache, need_weights, rope)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, probs
@@ -53,24 +85,33 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings
+        if config.pos_embedding == "learned":
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # learned positions
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
-                wpe=nn.Embedding(config.block_size, config.n_embd),  # learned positions
+                **modules,
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=make_norm(config),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
+        self.rotary = None  # rope: no parameters, the cos/sin tables of every position
+        if config.pos_embedding == "rope":
+            self.rotary = RotaryTables(config.head_size, config.block_size, config.rope_base)
         self.apply(self._init_weights)
         # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layer), so the
         # stream's variance does not grow with depth (two residual additions per block).
+        # zero_init_proj: start them at zero instead, so every block starts as the identity.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -102,6 +143,9 @@ class GPT(nn.Module):
         logits with respect to the inputs."""
         x, _ = self._trunk(tok_emb, cache, need_weights=False)
         logits = self.lm_head(x)  # (B, T, vocab)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
@@ -132,11 +176,18 @@ class GPT(nn.Module):
                 f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
-        pos = torch.arange(start, start + T, device=tok_emb.device)  # (T,)
-        x = self.transformer.drop(tok_emb + self.transformer.wpe(pos))  # (B, T, C)
+        # Positions continue from the cache: start, ..., start + T - 1.
+        rope = None
+        if self.rotary is not None:
+            x = tok_emb  # positions enter through q and k, in every layer's attention
+            rope = self.rotary(start, T)  # (cos, sin), each (T, hs/2)
+        else:
+            pos = torch.arange(start, start + T, device=tok_emb.device)  # (T,)
+            x = tok_emb + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.drop(x)
         all_probs = []
         for block in self.transformer.h:
-            x, probs = block(x, cache, need_weights)
+            x, probs = block(x, cache, need_weights, rope)
             if probs is not None:
                 all_probs.append(probs)
         if cache is not None:
@@ -153,13 +204,17 @@ class GPT(nn.Module):
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count (tied weights once); by default without position embeddings, as
-        GPT-2's model sizes are usually quoted."""
+        GPT-2's model sizes are usually quoted (rope has none to exclude)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if exclude_positions else n
+        if exclude_positions and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs (forward + backward) per token: 6 per weight of every matmul, including
-        the language-model head, plus 12 * n_layer * T * C for QK^T and SV (PaLM, appendix B)."""
+        the language-model head, plus 12 * n_layer * T * C for QK^T and SV (PaLM, appendix B).
+        swiglu's three matrices are all in c_fc and c_proj; norms, rope, activations and the
+        softcap are elementwise and not counted, as in PaLM's formula."""
         c = self.config
         T = seq_len or c.block_size
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))

@@ -16,6 +16,16 @@ from model.config import GPTConfig
 from model.gpt import GPT
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The GPTConfig values of GPT-2's architecture (GPTConfig's defaults): any other value of one of
+# these changes the weights' meaning or shapes, so GPT-2's weights cannot be loaded with it.
+GPT2_ARCHITECTURE = dict(
+    pos_embedding="learned",
+    norm="layernorm",
+    qk_norm=False,
+    mlp="gelu",
+    mlp_ratio=4,
+    logit_softcap=None,
+)
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -38,8 +48,15 @@ def load_hf_gpt2(
 
     source: a state dict, a .safetensors/.bin file, or a directory with config.json. The shape
     comes from the weights; n_head (which shapes cannot tell) from config.json or the argument.
-    overrides: other GPTConfig fields, e.g. dropout=0.1 or attention="sdpa" for fine-tuning.
+    overrides: other GPTConfig fields, e.g. dropout=0.1 or attention="sdpa" for fine-tuning;
+    not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix.
     """
+    for key, value in overrides.items():
+        if key in GPT2_ARCHITECTURE and value != GPT2_ARCHITECTURE[key]:
+            raise ValueError(
+                f"model.{key}={value!r} is not GPT-2's architecture: GPT-2 weights need "
+                f"model.{key}={GPT2_ARCHITECTURE[key]!r}"
+            )
     if isinstance(source, dict):
         sd = source
     else:

@@ -1,8 +1,8 @@
 """The model is causal: the logits at position t depend on tokens <= t and on nothing after t.
 
-Each check runs on every preset's shape (narrowed for speed, depth and head count kept), every
-attention implementation, in eval mode and in train mode with dropout on; and each check is run
-on deliberately leaky variants, which it must catch.
+Each check runs on every preset's head count (narrowed and made shallow for speed), on every
+architecture option, with every attention implementation, in eval mode and in train mode with
+dropout on; and each check is run on deliberately leaky variants, which it must catch.
 """
 
 from __future__ import annotations
@@ -13,8 +13,14 @@ import torch.nn.functional as F
 
 from model import ATTENTION_IMPLS, GPT, GPTConfig, load_preset, preset_names
 from model.causality import find_leaks, jacobian_leaks, perturbation_leaks
+from model.hf import GPT2_ARCHITECTURE
+from tests.model.conftest import ARCHITECTURES
 
-HEAD_SIZE = 4  # narrow heads keep gpt2-xl's 48 layers x 25 heads fast
+HEAD_SIZE = 4  # narrow heads keep gpt2-xl's 25 heads fast
+# At most 2 layers of each preset: the causal mask is the same in every layer, so a leak shows
+# at depth 1, and a second layer covers a leak reaching the logits through a later layer.
+# gpt2-xl's 48 layers made its cases 10-40 s each and told nothing that 2 layers do not.
+MAX_LAYERS = 2
 
 
 def scaled_preset(name: str, attention: str, dropout: float) -> GPTConfig:
@@ -22,7 +28,7 @@ def scaled_preset(name: str, attention: str, dropout: float) -> GPTConfig:
     return GPTConfig(
         vocab_size=97,
         block_size=16,
-        n_layer=p["n_layer"],
+        n_layer=min(p["n_layer"], MAX_LAYERS),
         n_head=p["n_head"],
         n_embd=HEAD_SIZE * p["n_head"],
         dropout=dropout,
@@ -32,8 +38,31 @@ def scaled_preset(name: str, attention: str, dropout: float) -> GPTConfig:
     )
 
 
+def with_options(options: str, attention: str, dropout: float) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=97,
+        block_size=16,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        dropout=dropout,
+        attention=attention,
+        **ARCHITECTURES[options],
+    )
+
+
 def test_every_preset_is_covered():
     assert {"nano", "mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(preset_names())
+
+
+def test_every_architecture_option_is_covered():
+    """Each option of GPT2_ARCHITECTURE (mlp_ratio only resizes) at a non-GPT-2 value."""
+    changed = {key for options in ARCHITECTURES.values() for key in options}
+    assert set(GPT2_ARCHITECTURE) - {"mlp_ratio"} <= changed
+    assert {options["mlp"] for options in ARCHITECTURES.values() if "mlp" in options} == {
+        "relu2",
+        "swiglu",
+    }
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
@@ -44,6 +73,18 @@ def test_future_tokens_cannot_change_past_logits(preset, attention, mode):
     model = GPT(scaled_preset(preset, attention, dropout=0.1 if mode == "train" else 0.0))
     model.train(mode == "train")
     idx = torch.randint(0, 97, (3, 12))
+    assert perturbation_leaks(model, idx) == []
+    assert jacobian_leaks(model, idx) == []
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("attention", ATTENTION_IMPLS)
+@pytest.mark.parametrize("options", ARCHITECTURES)
+def test_every_architecture_option_is_causal(options, attention, mode):
+    torch.manual_seed(0)
+    model = GPT(with_options(options, attention, dropout=0.1 if mode == "train" else 0.0))
+    model.train(mode == "train")
+    idx = torch.randint(0, 97, (2, 10))
     assert perturbation_leaks(model, idx) == []
     assert jacobian_leaks(model, idx) == []
 
@@ -62,9 +103,11 @@ LEAKS = {
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("leak", LEAKS)
-def test_checks_catch_a_leaky_mask(leak, mode):
+@pytest.mark.parametrize("options", ["gpt2", "rope", "all"])
+def test_checks_catch_a_leaky_mask(options, leak, mode):
+    """rope moves positions into attention: a leak must still show once it does."""
     torch.manual_seed(0)
-    model = GPT(scaled_preset("nano", "manual", dropout=0.1 if mode == "train" else 0.0))
+    model = GPT(with_options(options, "manual", dropout=0.1 if mode == "train" else 0.0))
     model.train(mode == "train")
     _leaky(model, LEAKS[leak](16))
     idx = torch.randint(0, 97, (3, 12))
