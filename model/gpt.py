@@ -12,7 +12,7 @@ The defaults are GPT-2 (model/hf.py loads its weights); each option of GPTConfig
   qk_norm        true: Attn RMS-normalises each head's q and k (before rope)
   mlp            gelu:   MLP(x) = GELU(x W_fc) W_proj                 (hidden: mlp_ratio * C)
                  relu2:  MLP(x) = ReLU(x W_fc)^2 W_proj               (hidden: mlp_ratio * C)
-                 swiglu: MLP(x) = (SiLU(x W_1) * (x W_3)) W_proj      (hidden: 2/3 mlp_ratio * C)
+                 swiglu: MLP(x) = (SiLU(x W_1) * (x W_3)) W_proj      (hidden: 2/3 of that, to 8s)
   logit_softcap  cap: logits = cap * tanh(logits / cap), so |logits| < cap (loss included)
   tie_embeddings false: W_head is its own matrix
   zero_init_proj true: the projections into the residual stream (W_O, W_proj) start at zero

@@ -22,7 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))  # the gain g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)  # same shape as x
+        """Computed in float32 and returned in x's dtype (shape too). Under bfloat16 autocast
+        qk_norm gets bfloat16 q and k and a float32 gain: F.rms_norm on mixed dtypes warns
+        and falls back to its slow path, and would return float32."""
+        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
+        return y.type_as(x)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:

@@ -24,11 +24,27 @@ class RotaryTables(nn.Module):
 
     def __init__(self, head_size: int, block_size: int, base: float):
         super().__init__()
-        theta = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
-        angles = torch.outer(torch.arange(block_size, dtype=torch.float32), theta)  # (T, hs/2)
+        self.head_size, self.block_size, self.base = head_size, block_size, base
+        cos, sin = self._tables(None)  # None: torch's default device (meta under `with meta`)
         # Not persistent: derived from the config, so checkpoints do not store them.
-        self.register_buffer("cos", angles.cos(), persistent=False)  # (block_size, hs/2)
-        self.register_buffer("sin", angles.sin(), persistent=False)  # (block_size, hs/2)
+        self.register_buffer("cos", cos, persistent=False)  # (block_size, hs/2)
+        self.register_buffer("sin", sin, persistent=False)  # (block_size, hs/2)
+
+    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        hs = self.head_size
+        theta = self.base ** (-torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)
+        positions = torch.arange(self.block_size, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, theta)  # (block_size, hs/2)
+        return angles.cos(), angles.sin()
+
+    def _apply(self, fn, recurse: bool = True):
+        """`model.to(torch.bfloat16)` (sample.py's dtype) casts every floating buffer: these
+        tables are then recomputed in float32 on the new device, so that a bfloat16 model
+        rotates by the same angles as the float32 one it was trained as, and apply_rope
+        rounds only its result."""
+        super()._apply(fn, recurse)
+        self.cos, self.sin = self._tables(self.cos.device)
+        return self
 
     def forward(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions start .. start + T - 1, each (T, hs/2)."""

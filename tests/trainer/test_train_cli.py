@@ -34,6 +34,7 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path
         ("train.resume=/no/such/run", "error: no checkpoint found at /no/such/run"),
         ("data=nonesuch", "nonesuch"),
         ("train.bogus=1", "bogus"),
+        ("model.mlp=bogus", "error: model.mlp='bogus' is unknown; choose one of"),
     ],
 )
 def test_bad_input_is_one_clear_error_without_traceback(tmp_path, corpus, override, expected):
