@@ -9,11 +9,15 @@ import torch.nn.functional as F
 from model import GPT
 from model.attention import causal_attention
 from tests.conftest import tiny_config
+from tests.model.conftest import ARCHITECTURES
 
 
-def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(tiny_model):
+@pytest.mark.parametrize("options", ["gpt2", "rope", "all"])
+def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(options):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**ARCHITECTURES[options])).eval()
     idx = torch.randint(0, 101, (3, 16))
-    S = tiny_model.attention_probs(idx)  # (n_layer, B, nh, T, T)
+    S = model.attention_probs(idx)  # (n_layer, B, nh, T, T)
     assert S.shape == (2, 3, 2, 16, 16)
     torch.testing.assert_close(S.sum(-1), torch.ones(2, 3, 2, 16), atol=1e-6, rtol=0)
     above = torch.ones(16, 16, dtype=torch.bool).triu(diagonal=1)
@@ -38,10 +42,11 @@ def test_manual_attention_equals_sdpa(B, H, T, dk):
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
 
 
-def test_manual_and_sdpa_models_agree_on_the_same_weights():
+@pytest.mark.parametrize("options", ARCHITECTURES)
+def test_manual_and_sdpa_models_agree_on_the_same_weights(options):
     torch.manual_seed(0)
-    manual = GPT(tiny_config(attention="manual")).eval()
-    sdpa = GPT(tiny_config(attention="sdpa")).eval()
+    manual = GPT(tiny_config(attention="manual", **ARCHITECTURES[options])).eval()
+    sdpa = GPT(tiny_config(attention="sdpa", **ARCHITECTURES[options])).eval()
     sdpa.load_state_dict(manual.state_dict())
     idx = torch.randint(0, 101, (2, 16))
     torch.testing.assert_close(manual(idx)[0], sdpa(idx)[0], atol=1e-5, rtol=0)

@@ -10,6 +10,7 @@ from model.attention import causal_attention
 from model.causality import find_leaks
 from model.flash_attention import flash_causal_attention, key_tiles, query_tiles, tile_keep_mask
 from tests.conftest import tiny_config
+from tests.model.conftest import ARCHITECTURES
 
 
 def _qkv(B: int, H: int, Tq: int, Tk: int, hs: int, dtype=torch.float32):
@@ -98,10 +99,13 @@ def test_causality_checks_catch_flash_without_its_diagonal_mask(monkeypatch):
     assert find_leaks(leaky)
 
 
-def test_the_model_with_flash_gives_manual_logits_and_gradients():
+@pytest.mark.parametrize("options", ["gpt2", "all"])
+def test_the_model_with_flash_gives_manual_logits_and_gradients(options):
     torch.manual_seed(0)
-    manual = GPT(tiny_config(attention="manual"))
-    flash = GPT(tiny_config(attention="flash", flash_block_q=4, flash_block_k=6))
+    manual = GPT(tiny_config(attention="manual", **ARCHITECTURES[options]))
+    flash = GPT(
+        tiny_config(attention="flash", flash_block_q=4, flash_block_k=6, **ARCHITECTURES[options])
+    )
     flash.load_state_dict(manual.state_dict())
     idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
     for model in (manual, flash):

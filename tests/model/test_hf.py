@@ -48,3 +48,40 @@ def test_saved_directory_loads_with_its_config(hf_model, tmp_path):
 def test_missing_n_head_is_a_clear_error(hf_model):
     with pytest.raises(ValueError, match="n_head"):
         load_hf_gpt2(hf_model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("mlp", "swiglu"),
+        ("pos_embedding", "rope"),
+        ("norm", "rmsnorm"),
+        ("qk_norm", True),
+        ("mlp_ratio", 8 / 3),
+        ("logit_softcap", 30.0),
+    ],
+)
+def test_architecture_overrides_are_refused_by_name(hf_model, key, value):
+    """GPT-2's weights fix the architecture: another value is a clear error, not a shape
+    mismatch deep in the copy (or, for qk_norm and softcap, silently different logits)."""
+    with pytest.raises(ValueError, match=rf"model\.{key}=.* is not GPT-2's architecture") as e:
+        load_hf_gpt2(hf_model.state_dict(), n_head=4, **{key: value})
+    assert "\n" not in str(e.value)
+
+
+def test_gpt2s_own_architecture_values_and_other_overrides_load(hf_model):
+    ours = load_hf_gpt2(
+        hf_model.state_dict(),
+        n_head=4,
+        mlp="gelu",
+        pos_embedding="learned",
+        norm="layernorm",
+        mlp_ratio=4.0,
+        logit_softcap=None,
+        dropout=0.1,
+        zero_init_proj=True,  # an init option: the loaded weights replace the zeros
+    ).eval()
+    idx = torch.randint(0, 101, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, atol=1e-4, rtol=0)
+    assert ours.config.dropout == 0.1

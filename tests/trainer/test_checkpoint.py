@@ -44,6 +44,27 @@ def test_round_trip_keeps_weights_config_and_trainer_state(tmp_path):
     assert ckpt.model.lm_head.weight is ckpt.model.transformer.wte.weight  # still tied
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(pos_embedding="rope", rope_base=500.0, norm="rmsnorm", qk_norm=True, mlp="swiglu"),
+        dict(mlp="relu2", mlp_ratio=2, logit_softcap=15.0, zero_init_proj=True, bias=False),
+    ],
+)
+def test_architecture_options_round_trip(tmp_path, options):
+    """The options are in the saved config, so the loaded model has the same modules, weights
+    and logits (rope's tables are rebuilt from the config, not stored)."""
+    torch.manual_seed(3)
+    model = GPT(tiny_config(**options)).eval()
+    save_checkpoint(tmp_path / "c", model, {"x": 1}, {"step": 1}, {"step": 1})
+    loaded = load_checkpoint(tmp_path / "c").model.eval()
+    assert loaded.config == model.config
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    idx = torch.randint(0, 101, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx)[0], model(idx)[0], atol=0, rtol=0)
+
+
 def test_untied_head_round_trips(tmp_path):
     save(tmp_path / "c", tie_embeddings=False)
     model = load_checkpoint(tmp_path / "c").model
