@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,11 @@ SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
 
 
 def sample_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python sample.py <args>` from `cwd`, with every Python warning shown (once)."""
     return subprocess.run(
         [sys.executable, str(SAMPLE_PY), *args],
         cwd=cwd,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -38,6 +41,7 @@ def test_sample_py_runs_from_another_directory_and_prints_the_continued_prompt(r
     assert result.stdout.startswith("Hello world")
     assert len(result.stdout.splitlines()[0]) > len("Hello world")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # Hydra wrote nothing
+    assert "Warning" not in result.stderr  # no Python warning (DeprecationWarning, ...)
 
 
 def test_sample_py_reports_a_bad_value_in_one_line_and_exits_2(run_dir, tmp_path):

@@ -64,6 +64,7 @@ def test_evaluate_py_prints_one_json_line(trained_run, tmp_path):
         "evaluate.py", f"checkpoint={trained_run}", f"text_file={text}", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr  # no Python warning (run_script shows them all)
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["bytes"] == len(text.read_bytes()) and out["tokens"] > 100
     assert out["method"] == "non-overlapping windows"
@@ -75,6 +76,7 @@ def test_evaluate_py_prints_one_json_line(trained_run, tmp_path):
 def test_evaluate_py_on_the_validation_split(trained_run, tmp_path):
     result = run_script("evaluate.py", f"checkpoint={trained_run}", "stride=16", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["data"] == "text/val" and out["method"] == "sliding windows, stride 16"
 
