@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from tests.trainer.helpers import compose_run
+from model import GPTConfig
+from tests.trainer.helpers import CONFIGS, ROOT, compose_run
 from trainer.config import ConfigError, RunConfig
 
 
@@ -42,3 +45,24 @@ def test_the_default_config_is_valid():
     settings, resolved = compose_run([])
     assert settings.train.resume is None and settings.optim.schedule == "cosine"
     assert resolved["data"]["name"] == "shakespeare"
+
+
+def full_run(*overrides: str) -> tuple[RunConfig, dict]:
+    """The run config of `python train.py <overrides>`, not shrunk (compose_run's TINY
+    overrides would win over an experiment's values)."""
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return RunConfig.from_dict(resolved), resolved
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in (ROOT / "configs/experiment").glob("*.yaml"))
+)
+def test_every_experiment_composes_into_a_valid_run(name):
+    """An experiment is a recipe users run by name: it must compose over the defaults, pass
+    validation, and actually change the run (a misplaced `# @package` would change nothing)."""
+    settings, resolved = full_run(f"experiment={name}")
+    default, _ = full_run()
+    assert settings.train != default.train
+    GPTConfig.from_dict({**resolved["model"], "vocab_size": 50257})  # the model config is valid
