@@ -1,10 +1,25 @@
 """Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
 
-A directory is complete only when ``meta.json`` exists, names the expected fingerprint, every
-token file has exactly the size it records, and a trained tokenizer file (``tokenizer.json``)
-has the size and sha256 it records. ``meta.json`` is written last, and every file goes through
-a temporary name and an atomic rename, so an interrupted preparation never leaves something
-that passes this check.
+A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
+every file it records is intact: each token file ``<split>.bin`` has exactly the size and the
+sha256 recorded under ``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the
+size and sha256 under ``tokenizer_file``. ``meta.json`` is written last, and every file goes
+through a temporary name and an atomic rename, so an interrupted preparation never leaves
+something that passes this check; a file damaged afterwards (truncated, overwritten, a flipped
+bit) fails it with a message naming the file. :func:`verify_prepared` is that check, the only
+one: ``prepare()`` runs it whenever it reuses a directory, and every reader of token files
+(training, resuming, ``evaluate.py``, each torchrun rank) gets them from ``prepare()``.
+
+Cost. A token file's sha256 is computed while it is written (no extra pass). Verifying checks
+all sizes first (free: a truncated file fails without reading anything), then hashes every byte
+in one streaming pass of ``HASH_CHUNK`` reads. Measured on the 2-core dev VM (CPython 3.11
+hashlib, OpenSSL 3, files in the page cache): 0.67-0.74 GB/s on a 1 GB file; Shakespeare's
+gpt2 train split (3.3 MB) hashes in 3-6 ms and the whole directory verifies in under 10 ms. A
+10B-token FineWeb (20 GB of uint16) therefore takes about 30 s (10-15 s on a core that hashes at
+1.5-2 GB/s; estimated, not measured), plus the disk read when the files are not in page cache.
+Under torchrun rank 0 verifies (or rebuilds) first and the other ranks then verify concurrently,
+so startup waits about twice that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare()`` prints a
+line before hashing, so the wait is explained.
 """
 
 from __future__ import annotations
@@ -12,16 +27,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1  # bump when the token file layout changes, to invalidate old caches
+# Bump when the token file layout or what meta.json must record changes, to invalidate old
+# caches. 2: meta.json records each token file's sha256.
+FORMAT_VERSION = 2
 META = "meta.json"
 HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
+ANNOUNCE_BYTES = 1_000_000_000  # verifying more than this (over ~1 s) is announced
+
+
+class InvalidCache(Exception):
+    """A prepared directory that must not be used; the one-line message names the file."""
 
 
 def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
@@ -48,23 +70,72 @@ def file_entry(path: Path) -> dict[str, Any]:
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any] | None:
-    """The directory's meta if it is a complete preparation of ``expected_fingerprint``."""
+def _recorded_files(directory: Path, meta: dict[str, Any]) -> list[tuple[Path, int, str]]:
+    """(path, size, sha256) of every file ``meta`` vouches for: token files, tokenizer file."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    files = []
+    for split, stats in meta["splits"].items():
+        size = stats["tokens"] * itemsize
+        files.append((directory / f"{split}.bin", size, str(stats["sha256"])))
+    if (entry := meta.get("tokenizer_file")) is not None:
+        files.append((directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"])))
+    return files
+
+
+def verify_prepared(
+    directory: Path, expected_fingerprint: str, announce: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The directory's meta if it is a complete, intact preparation of ``expected_fingerprint``.
+
+    Raises ``FileNotFoundError`` when there is no ``meta.json`` (never prepared here, or
+    interrupted before the end) and :class:`InvalidCache` naming the file that fails otherwise.
+    ``announce`` gets one line before hashing ``ANNOUNCE_BYTES`` or more.
+    """
+    path = directory / META
     try:
-        meta = json.loads((directory / META).read_text())
+        meta = json.loads(path.read_text())
         if meta["fingerprint"] != expected_fingerprint:
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split, stats in meta["splits"].items():
-            if (directory / f"{split}.bin").stat().st_size != stats["tokens"] * itemsize:
-                return None
-        if (entry := meta.get("tokenizer_file")) is not None:
-            file = directory / Path(entry["name"]).name
-            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+            raise InvalidCache(f"{path} is for another fingerprint ({meta['fingerprint']})")
+        files = _recorded_files(directory, meta)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
+    for file, size, _ in files:
+        try:
+            actual = file.stat().st_size
+        except OSError as e:
+            raise InvalidCache(f"{file} cannot be read ({e.strerror})") from e
+        if actual != size:
+            raise InvalidCache(
+                f"{file} has {actual:,} bytes but {META} records {size:,} "
+                "(truncated or overwritten)"
+            )
+    total = sum(size for _, size, _ in files)
+    if announce is not None and total >= ANNOUNCE_BYTES:
+        announce(
+            f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
+            "(every byte is read and hashed, at about 0.7-2 GB/s)"
+        )
+    for file, _, expected in files:
+        try:
+            actual = sha256_file(file)
+        except OSError as e:
+            raise InvalidCache(f"{file} cannot be read ({e.strerror})") from e
+        if actual != expected:
+            raise InvalidCache(
+                f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
+                f"{META} records {expected[:12]}...)"
+            )
     return meta
+
+
+def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any] | None:
+    """:func:`verify_prepared`, with None for a missing or failing preparation."""
+    try:
+        return verify_prepared(directory, expected_fingerprint)
+    except (FileNotFoundError, InvalidCache):
+        return None
 
 
 @contextmanager

@@ -6,6 +6,8 @@ Training calls :func:`prepare` itself; ``python -m data.prepare`` runs it alone.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -18,7 +20,14 @@ from datasets import Dataset, IterableDataset
 from omegaconf import DictConfig
 
 from data.bpe import train_bpe
-from data.cache import atomic_path, file_entry, fingerprint, read_valid_meta, write_meta
+from data.cache import (
+    InvalidCache,
+    atomic_path,
+    file_entry,
+    fingerprint,
+    verify_prepared,
+    write_meta,
+)
 from data.config import cache_root, resolve_config
 from data.errors import DataError
 from data.registry import get_source
@@ -131,6 +140,7 @@ def _build(
             "bytes": stats.bytes,
             "documents": stats.documents,
             "seconds": round(stats.seconds, 3),
+            "sha256": stats.sha256,
         }
         if verbose:
             print(
@@ -156,8 +166,32 @@ def _build(
     return meta
 
 
+def _verified_meta(name: str, out: Path, fp: str, verbose: bool) -> dict[str, Any] | None:
+    """``out``'s meta if it passes :func:`verify_prepared`, else None (build it). A directory
+    that fails is said in one line on stderr, even when not verbose: the rebuild takes time."""
+
+    def announce(line: str) -> None:
+        print(f"{name}: {line}", flush=True)
+
+    start = time.perf_counter()
+    try:
+        meta = verify_prepared(out, fp, announce if verbose else None)
+    except FileNotFoundError:  # never prepared here, or interrupted before meta.json
+        return None
+    except InvalidCache as e:
+        print(f"{name}: {e}; rebuilding the prepared data from its sources", file=sys.stderr)
+        return None
+    if verbose:
+        seconds = time.perf_counter() - start
+        print(f"{name}: reusing prepared data in {out} (verified in {seconds:.2f}s)")
+    return meta
+
+
 def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
+
+    A cache directory is reused only after :func:`data.cache.verify_prepared` (sizes and sha256
+    of every file); one that fails is named in one line on stderr and rebuilt, never used.
 
     The cache directory ``<cache_dir>/<name>/<tokenizer>-<fingerprint[:12]>`` changes whenever
     the sources or the tokenizer do, so stale data is never reused. A trained tokenizer
@@ -170,9 +204,7 @@ def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> Pre
     source_fp = get_source(cfg).fingerprint(cfg)
     fp = fingerprint(spec.cache_key, source_fp)
     out = cache_root(cfg) / cfg["name"] / f"{spec.name}-{fp[:12]}"
-    meta = read_valid_meta(out, fp)
+    meta = _verified_meta(cfg["name"], out, fp, verbose)
     if meta is None:
         meta = _build(cfg, spec, out, fp, source_fp, verbose)
-    elif verbose:
-        print(f"{cfg['name']}: reusing prepared data in {out}")
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ class SplitStats:
     bytes: int
     documents: int
     seconds: float
+    sha256: str  # of the file's bytes, hashed as they were written
 
 
 def encode_documents(
@@ -75,10 +77,10 @@ def write_split(
     max_tokens: int | None = None,
     tokenizer_dir: str | None = None,
 ) -> SplitStats:
-    """Write the concatenated tokens of ``docs`` to ``path``; stop after the document that
-    reaches ``max_tokens``. A large finite dataset is tokenized by ``num_proc`` processes; small
-    ones and streams use ``num_proc`` tokenizer threads in this process. A trained tokenizer is
-    read from ``tokenizer_dir``."""
+    """Write the concatenated tokens of ``docs`` to ``path``, hashing them on the way (no second
+    pass over the file); stop after the document that reaches ``max_tokens``. A large finite
+    dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
+    tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``."""
     start = time.perf_counter()
     dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
     num_proc = max(1, num_proc)
@@ -98,12 +100,16 @@ def write_split(
             **kwargs,
         ).with_format("numpy")
     tokens = nbytes = documents = 0
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
         for ids, size in _rows(tokenized):
-            f.write(np.asarray(ids, dtype=dtype).tobytes())
+            chunk = np.asarray(ids, dtype=dtype).tobytes()
+            f.write(chunk)
+            digest.update(chunk)
             tokens, nbytes, documents = tokens + len(ids), nbytes + int(size), documents + 1
             if max_tokens is not None and tokens >= max_tokens:
                 break
         f.flush()
         os.fsync(f.fileno())
-    return SplitStats(tokens, nbytes, documents, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return SplitStats(tokens, nbytes, documents, seconds, digest.hexdigest())

@@ -1,10 +1,13 @@
-"""Cache reuse and rebuild, atomicity under SIGKILL, the CLI, and bad input."""
+"""Cache reuse and rebuild, integrity checks (size, sha256), atomicity under SIGKILL, the CLI,
+and bad input."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ import pytest
 import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare
-from data.cache import read_valid_meta, sha256_file
+from data.cache import InvalidCache, read_valid_meta, sha256_file, verify_prepared
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +37,21 @@ def write_docs(directory: Path, n: int = 5) -> list[Path]:
         )
         paths.append(path)
     return paths
+
+
+def own_copy(shakespeare: PreparedData, tmp_path: Path) -> tuple[dict, Path]:
+    """A private copy of the session's Shakespeare preparation: the cfg that reuses it, its dir."""
+    out = tmp_path / "shakespeare" / shakespeare.dir.name
+    shutil.copytree(shakespeare.dir, out)
+    return {"name": "shakespeare", "cache_dir": str(tmp_path)}, out
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
 
 
 def fail_builds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,14 +108,90 @@ def test_sha256_file_streams_in_chunks(tmp_path: Path, monkeypatch: pytest.Monke
     assert sha256_file(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
 
 
-def test_truncated_token_file_is_rebuilt(shakespeare: PreparedData, tmp_path: Path) -> None:
-    cfg = {"name": "shakespeare", "cache_dir": str(tmp_path)}
-    first = prepare(cfg, verbose=False)
-    expected = np.array(first.tokens("val"))
-    with open(first.dir / "val.bin", "r+b") as f:
+def test_meta_records_the_sha256_of_each_token_file(shakespeare: PreparedData) -> None:
+    on_disk = json.loads((shakespeare.dir / "meta.json").read_text())
+    for split in ("train", "val"):
+        expected = hashlib.sha256((shakespeare.dir / f"{split}.bin").read_bytes()).hexdigest()
+        assert on_disk["splits"][split]["sha256"] == expected
+        assert shakespeare.meta["splits"][split]["sha256"] == expected
+
+
+def test_a_flipped_byte_is_detected_and_rebuilt(
+    shakespeare: PreparedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg, out = own_copy(shakespeare, tmp_path)
+    path = out / "train.bin"
+    size = path.stat().st_size
+    flip_byte(path, size // 2)  # same size: only the sha256 can tell
+    assert path.stat().st_size == size
+    with pytest.raises(InvalidCache, match=rf"^{re.escape(str(path))} fails its sha256 check"):
+        verify_prepared(out, shakespeare.meta["fingerprint"])
+    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
+    rebuilt = prepare(cfg, verbose=False)
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("shakespeare:")]
+    assert line.startswith(f"shakespeare: {path} fails its sha256 check")
+    assert line.endswith("rebuilding the prepared data from its sources")
+    assert rebuilt.dir == out
+    for split in ("train", "val"):
+        assert np.array_equal(rebuilt.tokens(split), shakespeare.tokens(split))
+        ours, original = rebuilt.meta["splits"][split], shakespeare.meta["splits"][split]
+        assert ours["sha256"] == original["sha256"]
+
+
+def test_a_truncated_token_file_is_detected_and_rebuilt(
+    shakespeare: PreparedData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg, out = own_copy(shakespeare, tmp_path)
+    path = out / "val.bin"
+    with open(path, "r+b") as f:
         f.truncate(100)
-    assert read_valid_meta(first.dir, first.meta["fingerprint"]) is None
-    assert np.array_equal(prepare(cfg, verbose=False).tokens("val"), expected)
+    recorded = shakespeare.meta["splits"]["val"]["tokens"] * 2  # uint16
+    message = f"{path} has 100 bytes but meta.json records {recorded:,} (truncated or overwritten)"
+    with pytest.raises(InvalidCache, match=f"^{re.escape(message)}$"):
+        verify_prepared(out, shakespeare.meta["fingerprint"])
+    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
+    assert np.array_equal(prepare(cfg, verbose=False).tokens("val"), shakespeare.tokens("val"))
+    assert f"shakespeare: {message}; rebuilding" in capsys.readouterr().err
+
+
+def test_a_missing_token_file_is_named(shakespeare: PreparedData, tmp_path: Path) -> None:
+    _, out = own_copy(shakespeare, tmp_path)
+    (out / "val.bin").unlink()
+    with pytest.raises(InvalidCache, match=f"^{re.escape(str(out / 'val.bin'))} cannot be read"):
+        verify_prepared(out, shakespeare.meta["fingerprint"])
+
+
+def test_meta_without_sha256_is_not_trusted(shakespeare: PreparedData, tmp_path: Path) -> None:
+    """As written before token files were hashed (FORMAT_VERSION 1, which has other
+    fingerprints now): such a directory is rebuilt, not used unverified."""
+    _, out = own_copy(shakespeare, tmp_path)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["splits"]["train"]["sha256"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(InvalidCache, match=r"meta\.json is unreadable or incomplete.*'sha256'"):
+        verify_prepared(out, shakespeare.meta["fingerprint"])
+
+
+def test_a_big_verification_is_announced(
+    shakespeare: PreparedData,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg, out = own_copy(shakespeare, tmp_path)
+    fail_builds(monkeypatch)
+    reuse = f"shakespeare: reusing prepared data in {out} (verified in "
+    prepare(cfg)  # 3.6 MB: verified without a word (0.0 GB when announced, below)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(reuse)
+    monkeypatch.setattr(data.cache, "ANNOUNCE_BYTES", 3_000_000)
+    prepare(cfg)
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == (
+        f"shakespeare: verifying the sha256 of 0.0 GB of prepared data in {out} "
+        "(every byte is read and hashed, at about 0.7-2 GB/s)"
+    )
+    assert second.startswith(reuse)
 
 
 KILLER = """
