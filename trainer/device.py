@@ -13,14 +13,18 @@ from trainer.config import ConfigError
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
 # Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
+# float32: configure_backends runs float32 matmuls as TF32 on Ampere and later, so their figure
+# is the dense TF32 one (half of bf16's on these GPUs), not the far lower CUDA-core FP32 figure
+# (which would put MFU above 100%). V100 and T4 have no TF32: their FP32 figure.
 GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
-    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12},
-    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
-    "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 31.2e12},
-    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12},
-    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 30.3e12},
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494.5e12},
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 378e12},
+    "H100 NVL": {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 417.5e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494.5e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+    "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 35e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 181e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60.5e12},
     "RTX 4090": {torch.bfloat16: 165e12, torch.float16: 165e12, torch.float32: 82.6e12},
     "RTX 3090": {torch.bfloat16: 71e12, torch.float16: 71e12, torch.float32: 35.6e12},
     "V100": {torch.float16: 125e12, torch.float32: 15.7e12},

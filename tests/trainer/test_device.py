@@ -21,11 +21,12 @@ def gpu_peak(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype):
     "name, dtype, expected",
     [
         ("NVIDIA H100 80GB HBM3", BF16, 989e12),
-        ("NVIDIA H100 80GB HBM3", FP32, 67e12),
+        ("NVIDIA H100 80GB HBM3", FP32, 494.5e12),  # float32 matmuls run as TF32
+        ("NVIDIA H100 NVL", BF16, 835e12),
         ("NVIDIA H100 PCIe", BF16, 756e12),  # not the SXM figure, though "H100" matches too
         ("NVIDIA H200", FP16, 989e12),
         ("NVIDIA A100-SXM4-80GB", BF16, 312e12),
-        ("NVIDIA A100-PCIE-40GB", FP32, 19.5e12),
+        ("NVIDIA A100-PCIE-40GB", FP32, 156e12),  # TF32, not the 19.5 TF of CUDA cores
         ("NVIDIA A10G", BF16, 70e12),
         ("NVIDIA L40S", BF16, 362e12),  # not the L4's, though "L4" matches too
         ("NVIDIA L4", BF16, 121e12),
@@ -33,6 +34,7 @@ def gpu_peak(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype):
         ("NVIDIA GeForce RTX 3090", FP16, 71e12),
         ("Tesla V100-SXM2-16GB", FP16, 125e12),
         ("Tesla T4", FP16, 65e12),
+        ("Tesla V100-SXM2-16GB", FP32, 15.7e12),  # no TF32 before Ampere
     ],
 )
 def test_known_gpus_get_their_datasheet_figure(monkeypatch, name, dtype, expected):
