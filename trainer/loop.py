@@ -34,6 +34,7 @@ from trainer.checkpoint import (
     recover_interrupted_swap,
     resolve_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.console import Progress, format_seconds
@@ -207,7 +208,17 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.state = TrainState(**state["train_state"])
+        # A kill after a `best` write and before the next `last` leaves a `best` that `last`'s
+        # state does not know: a worse model must not replace it.
+        self.state.best_val_loss = min(self.state.best_val_loss, self._best_on_disk())
         self.resumed_from = ckpt.path
+
+    def _best_on_disk(self) -> float:
+        """The validation loss recorded by this run's complete `best` checkpoint (inf if none)."""
+        try:
+            return float(verify_checkpoint(self.ckpt_dir / "best")["meta"]["val_loss"])
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            return math.inf
 
     def _resume_source(self) -> Path | None:
         resume = self.cfg.train.resume

@@ -110,6 +110,26 @@ def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, opt
         assert torch.equal(a, b), name
 
 
+def test_resume_knows_a_best_checkpoint_newer_than_last(tmp_path, corpus):
+    """A crash after `best` (step 9) but before the next `last` (step 12): `last` (step 6)
+    does not know step 9's loss, and a worse model must not replace that `best`."""
+    overrides = ("train.eval_interval=3",)
+    crashed = make_trainer(tmp_path, corpus, *overrides)
+    crash_at(crashed, 10)
+    with pytest.raises(Crash):
+        crashed.run()
+    best = load_checkpoint(tmp_path / "checkpoints" / "best")
+    last = load_checkpoint(tmp_path / "checkpoints" / "last", with_trainer_state=True)
+    assert best.meta["step"] == 9 and last.meta["step"] == 6  # the situation under test
+    assert best.meta["val_loss"] < last.trainer_state["train_state"]["best_val_loss"]
+
+    resumed = make_trainer(tmp_path, corpus, *overrides, "train.resume=auto")
+    assert resumed.state.best_val_loss == best.meta["val_loss"]
+    resumed.run()
+    final_best = load_checkpoint(tmp_path / "checkpoints" / "best").meta["val_loss"]
+    assert final_best <= best.meta["val_loss"]
+
+
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, corpus, monkeypatch):
     trainer = make_trainer(tmp_path, corpus)
     import trainer.checkpoint as checkpoint
