@@ -172,7 +172,7 @@ def test_newton_schulz_singular_values_are_near_one(shape):
     singular value, which Newton-Schulz leaves small: see the next test)."""
     g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x = zeropower_via_newtonschulz5(g, steps=5)
-    assert x.shape == g.shape and x.dtype == torch.bfloat16
+    assert x.shape == g.shape and x.dtype == torch.float32  # bfloat16 on CUDA only
     s = torch.linalg.svdvals(x.float())
     assert s.min() >= 0.5 and s.max() <= 1.5, s  # Muon's band (~[0.68, 1.2] in exact arithmetic)
 
