@@ -65,3 +65,15 @@ def test_the_cpu_figure_is_measured_on_this_machine():
 def test_other_devices_give_no_mfu():
     flops, source = peak_flops(Precision(torch.device("mps"), FP32))
     assert flops is None and "no MFU" in source
+
+
+def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
+    """Autocast keeps part of the model in float32, and a CPU without native bfloat16 emulates
+    it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU."""
+    import trainer.device as device
+
+    rates = {torch.float32: 1e11, BF16: 1e9}
+    monkeypatch.setattr(device, "measured_cpu_matmul_flops", lambda dtype, n=1024: rates[dtype])
+    assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 1e11
+    rates[BF16] = 4e11  # a CPU with AMX: bfloat16 is the faster one
+    assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 4e11
