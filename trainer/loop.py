@@ -421,6 +421,8 @@ class Trainer:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.save("last")
+            if window_steps == 0:  # tokens/s measures training: evaluations and saves excluded
+                window_start = time.perf_counter()
             if signum:
                 path = self.save("last")
                 launcher = "torchrun <flags> train.py" if self.dist.enabled else "python train.py"
