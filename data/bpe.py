@@ -50,7 +50,7 @@ TRAINER_VERSION = 1  # bump when training would give other merges for the same t
 # that ends most of Shakespeare's verse lines, and ".\n\n" are one chunk each, not two or three),
 # lets one punctuation mark lead a word ("_Enter"), caps digit runs at 3 and matches contractions
 # in any case. On Shakespeare it compresses better than GPT-2's pattern at every N we tried
-# (data/README_DATA.md).
+# (docs/data.md).
 PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
