@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Walk the README as a new user would: a clean clone, the README's install command in a fresh
+# venv, then train (short budget), sample, evaluate, Ctrl-C and resume, and a sweep, each step
+# checking its exit code and its output. Run by .ci/run; takes a few minutes on 2 CPU cores.
+#
+#   scripts/readme_walk.sh [WORK_DIR]     (default: a new temporary directory)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+WORK="${1:-$(mktemp -d)}"
+CLONE="$WORK/causalgpt"
+export CAUSALGPT_CACHE="$WORK/cache"  # prepare the data from scratch, as on a new machine
+export WANDB_MODE=offline HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+
+step() { printf '\n== %s\n' "$*"; }
+fail() { printf 'README walk FAILED: %s\n' "$*" >&2; exit 1; }
+expect() {  # expect <file> <extended regex> <what>
+    grep -Eq -- "$2" "$1" || { cat "$1"; fail "$3: no match for /$2/ in the output above"; }
+}
+
+step "clean clone of $REPO"
+if git -C "$REPO" rev-parse --git-dir > /dev/null 2>&1; then
+    git clone --quiet "$REPO" "$CLONE"
+else  # a checkout without .git (an exported tree): copy it, minus local state
+    mkdir -p "$CLONE"
+    tar -C "$REPO" --exclude=./.venv --exclude=./outputs --exclude=./multirun -cf - . | tar -C "$CLONE" -xf -
+fi
+cd "$CLONE"
+
+# The README's quick start, verbatim: installing and training / testing are one command each.
+INSTALL='pip install torch==2.13.0 -e ".[dev]"'
+grep -Fq -- "$INSTALL && python train.py" README.md || fail "README lost its train command"
+grep -Fq -- "$INSTALL && python -m pytest -q" README.md || fail "README lost its test command"
+
+step "install: python3 -m venv .venv && $INSTALL"
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+eval "python -m pip install --quiet ${INSTALL#pip install }"
+python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+SHORT=(model=nano train.max_steps=40 train.eval_interval=20 train.ckpt_interval=20 train.log_interval=10)
+
+step "python train.py (short budget)"
+python train.py "${SHORT[@]}" hydra.run.dir=runs/walk > train.out 2>&1 || { cat train.out; fail "train.py exited $?"; }
+expect train.out '^done: 40 steps' "train.py"
+expect train.out '"val_bpb": [0-9.]+' "train.py's summary"
+test -f runs/walk/checkpoints/last/manifest.json || fail "no last checkpoint"
+test -f runs/walk/checkpoints/best/manifest.json || fail "no best checkpoint"
+if grep -Eiq 'warn|deprecat|traceback' train.out; then cat train.out; fail "train.py printed a warning"; fi
+
+step "python sample.py"
+python sample.py checkpoint=runs/walk 'prompt="ROMEO:"' max_new_tokens=20 > sample.out 2>&1 || { cat sample.out; fail "sample.py exited $?"; }
+expect sample.out '^ROMEO:' "sample.py"
+
+step "python evaluate.py"
+python evaluate.py checkpoint=runs/walk > eval.out 2>&1 || { cat eval.out; fail "evaluate.py exited $?"; }
+expect eval.out 'non-overlapping windows' "evaluate.py's method line"
+expect eval.out '"bpb": [0-9.]+' "evaluate.py's JSON"
+
+step "Ctrl-C, then resume"
+python train.py model=nano train.max_steps=100000 train.log_interval=10 hydra.run.dir=runs/stop > stop.out 2>&1 &
+PID=$!
+for _ in $(seq 120); do grep -q '^step 10 ' stop.out && break; sleep 1; done
+kill -INT "$PID"
+set +e; wait "$PID"; CODE=$?; set -e
+[ "$CODE" -eq 130 ] || { cat stop.out; fail "Ctrl-C exited $CODE, expected 130"; }
+expect stop.out 'Resume with: python train.py hydra.run.dir=runs/stop train.resume=auto' "the resume hint"
+STOPPED=$(sed -nE 's/^stopped by signal 2 at step ([0-9]+);.*/\1/p' stop.out)
+[ -n "$STOPPED" ] || { cat stop.out; fail "no 'stopped by signal 2 at step N' line"; }
+python train.py model=nano train.max_steps=$((STOPPED + 10)) train.log_interval=10 hydra.run.dir=runs/stop train.resume=auto > resume.out 2>&1 || { cat resume.out; fail "resume exited $?"; }
+expect resume.out "^resumed from .*runs/stop/checkpoints/last at step $STOPPED\$" "resume"
+expect resume.out "^done: $((STOPPED + 10)) steps" "resume"
+
+step "a sweep: python train.py -m optim.lr=1e-3,3e-3"
+python train.py -m "${SHORT[@]}" train.max_steps=10 optim.lr=1e-3,3e-3 hydra.sweep.dir=runs/sweep > sweep.out 2>&1 || { cat sweep.out; fail "the sweep exited $?"; }
+for n in 0 1; do test -f "runs/sweep/$n/checkpoints/last/manifest.json" || fail "sweep run $n has no checkpoint"; done
+
+step "a user mistake: one line, exit 2"
+set +e; python train.py train.batch_size=abc > bad.out 2>&1; CODE=$?; set -e
+[ "$CODE" -eq 2 ] || { cat bad.out; fail "a bad override exited $CODE, expected 2"; }
+[ "$(wc -l < bad.out)" -eq 1 ] || { cat bad.out; fail "a bad override printed more than one line"; }
+expect bad.out '^error: train.batch_size must be a positive integer' "the bad override's message"
+
+printf '\nREADME walk passed (%s)\n' "$WORK"
