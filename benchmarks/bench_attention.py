@@ -95,13 +95,9 @@ def machine(threads: int) -> str:
 
     if threads:
         torch.set_num_threads(threads)
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [
-            ln.split(":", 1)[1] for ln in cpuinfo.read_text().splitlines() if "model name" in ln
-        ]
-        cpu = names[0].strip() if names else cpu
+    from trainer.device import cpu_name
+
+    cpu = cpu_name()
     return (
         f"CPU: {cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads, Python {platform.python_version()}"

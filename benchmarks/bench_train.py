@@ -121,13 +121,9 @@ def machine(args: argparse.Namespace) -> str:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [
-            ln.split(":", 1)[1] for ln in cpuinfo.read_text().splitlines() if "model name" in ln
-        ]
-        cpu = names[0].strip() if names else cpu
+    from trainer.device import cpu_name
+
+    cpu = cpu_name()
     device = resolve_device(args.device)
     gpu = f", GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     return (

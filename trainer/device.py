@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 import time
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -134,3 +136,13 @@ def measured_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024)
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
