@@ -5,7 +5,7 @@ import json
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.cli import user_errors
+from core.errors import user_errors
 from trainer.evaluation import evaluate_checkpoint
 
 

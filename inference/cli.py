@@ -14,12 +14,12 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
+from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from core.device import resolve_device, resolve_dtype
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
 from model import GPT
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
-from trainer.device import resolve_device, resolve_dtype
 
 SEPARATOR = "---------------"
 

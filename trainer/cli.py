@@ -1,33 +1,17 @@
-"""What the entry points share: turning user mistakes into one line and an exit code."""
+"""train.py's Hydra glue: the validated run config, and a run directory checked before use."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from core.errors import EXIT_USER_ERROR
 from trainer.config import RunConfig
-
-EXIT_USER_ERROR = 2
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """ValueError (bad config, data or checkpoint: the project's errors all derive from it) and
-    missing files become `error: <message>` on stderr and exit code 2, without a traceback.
-    CheckpointError (trainer.checkpoint) is a ValueError: a checkpoint that cannot be read or
-    written is one line too."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError, UnicodeDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
 
 
 def run_config(cfg: DictConfig) -> tuple[RunConfig, dict]:

@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and what it accepts."""
+from core.errors import ConfigError
 
 
 def _positive_int(key: str, value: Any, allow_zero: bool = False) -> int:

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from core.errors import ConfigError
 from model import GPT
-from trainer.config import ConfigError
 
 T = TypeVar("T")
 

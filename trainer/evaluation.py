@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from core.device import Precision, resolve_device, resolve_precision
 from data import DataError, iter_eval_batches, prepare
 from data.tokenizer import tokenizer_fingerprint
 from model import GPT
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
-from trainer.device import Precision, resolve_device, resolve_precision
 from trainer.distributed import all_reduce_sum, in_lockstep
 
 

@@ -21,12 +21,7 @@ from typing import Any
 
 import torch
 
-from data import PreparedData, prepare
-from data.sampler import BatchSampler
-from data.tokenizer import tokenizer_fingerprint
-from inference.generate import SamplingParams, generate
-from model import GPT, GPTConfig
-from trainer.checkpoint import (
+from core.checkpoint import (
     Checkpoint,
     CheckpointError,
     check_writable,
@@ -36,9 +31,15 @@ from trainer.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from trainer.config import ConfigError, RunConfig
+from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
+from core.errors import ConfigError
+from data import PreparedData, prepare
+from data.sampler import BatchSampler
+from data.tokenizer import tokenizer_fingerprint
+from inference.generate import SamplingParams, generate
+from model import GPT, GPTConfig
+from trainer.config import RunConfig
 from trainer.console import Progress, format_seconds
-from trainer.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
 from tests.trainer.helpers import TINY, make_trainer
-from trainer.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
 
 pytestmark = [
     pytest.mark.slow,

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402, F401 - the first optimizer step imports it: a second or more
 from safetensors.torch import save_file  # noqa: E402
 
-import trainer.checkpoint  # noqa: E402
+import core.checkpoint  # noqa: E402
 import trainer.cli  # noqa: E402, F401
 import trainer.loop  # noqa: E402
 
@@ -47,10 +47,10 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=None) -> None:
-    """The negative control's checkpoint writer, in place of trainer.checkpoint's: the same
+    """The negative control's checkpoint writer, in place of core.checkpoint's: the same
     files (fsynced, manifest last), but written straight into `path` after deleting the
     checkpoint there, with no temporary directory and no rename. A kill mid-write tears it."""
-    ckpt = trainer.checkpoint
+    ckpt = core.checkpoint
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     save_file(ckpt.model_state(model), str(path / ckpt.MODEL_FILE))
@@ -89,7 +89,7 @@ def child(server: int, request: dict) -> None:
         # cost every one of these short-lived processes a second of its few.
         trainer.loop.peak_flops = lambda precision: (None, "nothing (MFU off in this test)")
         if request.get("writer") == "in_place":
-            trainer.checkpoint._write_checkpoint = write_in_place
+            core.checkpoint._write_checkpoint = write_in_place
         sys.argv = [TRAIN, *request["run"]]
         try:
             runpy.run_path(TRAIN, run_name="__main__")

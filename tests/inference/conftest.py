@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from core.checkpoint import save_checkpoint
 from model import GPT, GPTConfig
-from trainer.checkpoint import save_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
 from inference.cli import main, run
-from trainer.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
 
 SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
 

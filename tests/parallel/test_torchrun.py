@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.checkpoint import load_checkpoint
 from tests.parallel.worker import PROBE
 from tests.trainer.helpers import ROOT, TINY, make_trainer
-from trainer.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core.device import Precision
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import run_script
-from trainer.device import Precision
 from trainer.evaluation import evaluate, sliding_windows
 
 CPU = Precision(torch.device("cpu"), torch.float32)

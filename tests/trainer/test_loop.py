@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from core.checkpoint import CheckpointError, load_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import make_trainer
 from tests.trainer.wandb_records import logged
-from trainer.checkpoint import CheckpointError, load_checkpoint
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
 from trainer.muon import Muon
@@ -133,7 +133,7 @@ def test_resume_knows_a_best_checkpoint_newer_than_last(tmp_path, corpus):
 
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, corpus, monkeypatch):
     trainer = make_trainer(tmp_path, corpus)
-    import trainer.checkpoint as checkpoint
+    import core.checkpoint as checkpoint
 
     real_save = checkpoint.torch.save
     calls = {"n": 0}

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from core.checkpoint import load_checkpoint
 from tests.trainer.helpers import ROOT, TINY, run_script
-from trainer.checkpoint import load_checkpoint
 
 
 def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path, corpus):

@@ -13,13 +13,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from data import DataError
 from data.bpe import BPE
 from data.tokenizer import TOKENIZER_FILE
 from inference.cli import run as sample
 from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import CONFIGS, make_trainer
-from trainer.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from trainer.evaluation import evaluate_checkpoint
 
 

@@ -8,15 +8,15 @@ import pickle
 import pytest
 import torch
 
-from model import GPT
-from tests.conftest import tiny_config
-from trainer.checkpoint import (
+from core.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from model import GPT
+from tests.conftest import tiny_config
 
 
 def save(path, step=0, **kw):
