@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import ConfigError
+from base.errors import ConfigError
 
 
 def _positive_int(key: str, value: Any, allow_zero: bool = False) -> int:

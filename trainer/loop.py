@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from base.errors import ConfigError
 from core.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -32,7 +33,6 @@ from core.checkpoint import (
     verify_checkpoint,
 )
 from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
-from core.errors import ConfigError
 from data import PreparedData, prepare
 from data.sampler import BatchSampler
 from data.tokenizer import tokenizer_fingerprint
