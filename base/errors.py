@@ -17,12 +17,23 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what it accepts."""
 
 
+# A user mistake: bad config, data or checkpoint (the project's errors all derive from
+# ValueError, as UnicodeDecodeError does), or a file that is missing or cannot be written.
+USER_ERRORS = (ValueError, OSError)
+
+
+def report_user_error(error: BaseException) -> int:
+    """Print `error` as one `error: <message>` line on stderr; return the exit code."""
+    message = " ".join(str(error).splitlines()) or type(error).__name__
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """ValueError (bad config, data or checkpoint: the project's errors all derive from it) and
-    missing files become `error: <message>` on stderr and exit code 2, without a traceback."""
+    """A user mistake inside the block exits with `error: <message>` and code 2, without a
+    traceback."""
     try:
         yield
-    except (ValueError, FileNotFoundError, UnicodeDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    except USER_ERRORS as e:
+        sys.exit(report_user_error(e))

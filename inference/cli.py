@@ -14,6 +14,8 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
+from base.checks import check, is_int
+from base.errors import USER_ERRORS, report_user_error
 from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 from core.device import resolve_device, resolve_dtype
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
@@ -67,9 +69,7 @@ def write_attention_plot(
 
 
 def _int_at_least(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check(name, value, is_int(value, minimum), f"an integer >= {minimum}")
 
 
 def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
@@ -137,10 +137,8 @@ def main(cfg: Mapping[str, Any]) -> int:
     """Run; report a user mistake as one `error:` line on stderr. Returns the exit code."""
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # CheckpointError, DataError, UnicodeDecodeError too
-        message = " ".join(str(e).splitlines()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:  # CheckpointError, DataError, ConfigError, a missing file
+        return report_user_error(e)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

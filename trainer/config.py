@@ -8,41 +8,15 @@ naming the key, before any data is prepared or memory is allocated.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from base.checks import boolean, check, non_negative_int, number, positive_int
 from base.errors import ConfigError
 
 
-def _positive_int(key: str, value: Any, allow_zero: bool = False) -> int:
-    ok = (
-        isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)
-    )
-    if not ok:
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise ConfigError(f"{key} must be {kind} integer, got {value!r}")
-    return value
-
-
-def _number(key: str, value: Any, low: float | None = None, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ConfigError(f"{key} must be in [{low}, {high}], got {value!r}")
-    return float(value)
-
-
-def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    return value
+def _one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    return check(key, value, value in choices, f"one of {list(choices)}")
 
 
 @dataclass
@@ -62,14 +36,15 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
-            _positive_int(f"train.{name}", getattr(self, name))
+            positive_int(f"train.{name}", getattr(self, name))
         for name in ("eval_interval", "ckpt_interval", "sample_tokens"):
-            _positive_int(f"train.{name}", getattr(self, name), allow_zero=True)
-        if self.max_seconds is not None and _number("train.max_seconds", self.max_seconds) <= 0:
-            raise ConfigError(f"train.max_seconds must be positive or null, got {self.max_seconds}")
-        if self.resume is not None and not isinstance(self.resume, str):
-            raise ConfigError(f"train.resume must be null, auto or a path, got {self.resume!r}")
-        _choice("train.on_nan", self.on_nan, ("stop", "skip"))
+            non_negative_int(f"train.{name}", getattr(self, name))
+        if self.max_seconds is not None:
+            seconds = number("train.max_seconds", self.max_seconds)
+            check("train.max_seconds", seconds, seconds > 0, "positive or null")
+        resume_ok = self.resume is None or isinstance(self.resume, str)
+        check("train.resume", self.resume, resume_ok, "null, auto or a path")
+        _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
 
 
 @dataclass
@@ -98,29 +73,26 @@ class OptimSettings:
     muon_weight_decay: float = 0.0  # decoupled, as AdamW's: p -= lr * wd * p
 
     def __post_init__(self) -> None:
-        _choice("optim.name", self.name, ("adamw", "muon"))
-        _number("optim.lr", self.lr, low=0.0)
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be positive, got {self.lr}")
-        _number("optim.min_lr", self.min_lr, low=0.0)
+        _one_of("optim.name", self.name, ("adamw", "muon"))
+        check("optim.lr", self.lr, number("optim.lr", self.lr, low=0.0) > 0, "positive")
+        number("optim.min_lr", self.min_lr, low=0.0)
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")
-        _number("optim.weight_decay", self.weight_decay, low=0.0)
-        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2):
-            raise ConfigError(f"optim.betas must be a pair like [0.9, 0.95], got {self.betas!r}")
-        self.betas = tuple(_number("optim.betas", b, 0.0, 0.999999) for b in self.betas)
-        _number("optim.eps", self.eps, low=0.0)
-        _positive_int("optim.warmup_steps", self.warmup_steps, allow_zero=True)
-        _choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
-        _number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
-        _number("optim.grad_clip", self.grad_clip, low=0.0)
-        if _number("optim.muon_lr", self.muon_lr) <= 0:
-            raise ConfigError(f"optim.muon_lr must be positive, got {self.muon_lr}")
-        if not 0 <= _number("optim.muon_momentum", self.muon_momentum) < 1:
-            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
-        _bool("optim.muon_nesterov", self.muon_nesterov)
-        _positive_int("optim.muon_ns_steps", self.muon_ns_steps)
-        _number("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
+        number("optim.weight_decay", self.weight_decay, low=0.0)
+        pair = isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
+        check("optim.betas", self.betas, pair, "a pair like [0.9, 0.95]")
+        self.betas = tuple(number("optim.betas", b, 0.0, 0.999999) for b in self.betas)
+        number("optim.eps", self.eps, low=0.0)
+        non_negative_int("optim.warmup_steps", self.warmup_steps)
+        _one_of("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
+        number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
+        number("optim.grad_clip", self.grad_clip, low=0.0)
+        check("optim.muon_lr", self.muon_lr, number("optim.muon_lr", self.muon_lr) > 0, "positive")
+        momentum = number("optim.muon_momentum", self.muon_momentum)
+        check("optim.muon_momentum", momentum, 0 <= momentum < 1, "in [0, 1)")
+        boolean("optim.muon_nesterov", self.muon_nesterov)
+        positive_int("optim.muon_ns_steps", self.muon_ns_steps)
+        number("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
 
 
 @dataclass
@@ -132,9 +104,8 @@ class WandbSettings:
     entity: str | None = None
 
     def __post_init__(self) -> None:
-        _choice("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
-        if not isinstance(self.tags, (list, tuple)):
-            raise ConfigError(f"wandb.tags must be a list like [a,b], got {self.tags!r}")
+        _one_of("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
+        check("wandb.tags", self.tags, isinstance(self.tags, (list, tuple)), "a list like [a,b]")
         self.tags = [str(t) for t in self.tags]
 
 
@@ -146,9 +117,9 @@ class ParallelSettings:
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job (a rank died)
 
     def __post_init__(self) -> None:
-        _choice("parallel.strategy", self.strategy, ("ddp", "fsdp"))
-        if _number("parallel.timeout_s", self.timeout_s) <= 0:
-            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
+        _one_of("parallel.strategy", self.strategy, ("ddp", "fsdp"))
+        timeout = number("parallel.timeout_s", self.timeout_s)
+        check("parallel.timeout_s", timeout, timeout > 0, "positive")
 
 
 @dataclass
@@ -165,10 +136,10 @@ class RunConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        _positive_int("seed", self.seed, allow_zero=True)
-        _choice("device", self.device, ("auto", "cpu", "cuda", "mps"))
-        _choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _bool("compile", self.compile)
+        non_negative_int("seed", self.seed)
+        _one_of("device", self.device, ("auto", "cpu", "cuda", "mps"))
+        _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        boolean("compile", self.compile)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
