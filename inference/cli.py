@@ -16,8 +16,9 @@ import torch
 
 from base.checks import check, is_int
 from base.errors import USER_ERRORS, report_user_error
-from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from core.checkpoint import find_checkpoint, load_checkpoint
 from core.device import resolve_device, resolve_dtype
+from data.text_files import read_utf8
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
@@ -32,18 +33,7 @@ def read_prompt(prompt: Any, prompt_file: str | None) -> str:
         return "" if prompt is None else str(prompt)
     if prompt:
         raise ValueError("give either prompt or prompt_file, not both")
-    path = Path(prompt_file).expanduser()
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"prompt_file {path.resolve()} does not exist") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"prompt_file {path} is not UTF-8 text (byte {e.start} is invalid); "
-            "convert it to UTF-8, e.g. with iconv"
-        ) from None
+    return read_utf8(Path(prompt_file).expanduser(), "prompt_file")
 
 
 def sampling_params(cfg: Mapping[str, Any]) -> SamplingParams:
@@ -86,8 +76,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    path = find_checkpoint(cfg["checkpoint"])
     ckpt = load_checkpoint(path, device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
