@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from data.bpe import train_bpe
 from data.cache import (
+    META,
     InvalidCache,
     atomic_path,
     file_entry,
@@ -118,7 +119,7 @@ def _build(
         get_tokenizer(tokenizer)  # fail on a bad tokenizer (download) before loading any data
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # invalidate before replacing any token file
+    (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
     trained = _train_tokenizer(cfg, spec, docs["train"], out, verbose) if spec.trained else {}
     enc = load_tokenizer(tokenizer, out)
     token_dir = str(out) if spec.trained else None
