@@ -30,9 +30,9 @@ from data.cache import (
     write_meta,
 )
 from data.config import cache_root, resolve_config
+from data.encode import MAP_BATCH_SIZE, write_split
 from data.errors import DataError
 from data.registry import get_source
-from data.tokenize import MAP_BATCH_SIZE, write_split
 from data.tokenizer import (
     TOKENIZER_FILE,
     TokenizerSpec,
