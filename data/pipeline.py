@@ -188,7 +188,7 @@ def _verified_meta(name: str, out: Path, fp: str, verbose: bool) -> dict[str, An
     return meta
 
 
-def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
+def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
 
     A cache directory is reused only after :func:`data.cache.verify_prepared` (sizes and sha256

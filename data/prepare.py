@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from base.errors import USER_ERRORS, report_user_error
 from data.config import CONFIG_DIR, known_datasets
 from data.errors import DataError
-from data.pipeline import prepare
+from data.pipeline import prepare_data
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: prepare one dataset and end with a one-line JSON summary."""
     start = time.perf_counter()
     try:
-        data = prepare(_compose(sys.argv[1:] if argv is None else argv).data)
+        data = prepare_data(_compose(sys.argv[1:] if argv is None else argv).data)
     except USER_ERRORS as e:
         return report_user_error(e)
     summary = {"dataset": data.meta["dataset"]}

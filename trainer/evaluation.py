@@ -14,7 +14,7 @@ import torch
 from base.checks import check, is_int
 from core.checkpoint import find_checkpoint, load_checkpoint
 from core.device import Precision, resolve_device, resolve_precision
-from data import DataError, bits_per_byte, iter_eval_batches, prepare
+from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
 from data.text_files import read_utf8
 from model import GPT, eval_mode
 from trainer.distributed import all_reduce_sum, in_lockstep
@@ -129,7 +129,7 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
-        data = prepare(ckpt.run_config["data"], verbose=False)
+        data = prepare_data(ckpt.run_config["data"], verbose=False)
         if not ckpt.same_tokenizer(data):
             raise DataError(
                 f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "

@@ -33,7 +33,7 @@ from core.checkpoint import (
     verify_checkpoint,
 )
 from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
-from data import PreparedData, prepare
+from data import PreparedData, prepare_data
 from data.sampler import BatchSampler
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
@@ -159,7 +159,7 @@ class Trainer:
         configure_backends(self.device)
 
         with main_first():
-            self.data = prepare(cfg.data, verbose=self.dist.is_main)
+            self.data = prepare_data(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
         self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
         self.block_size = self.model.config.block_size
