@@ -202,7 +202,7 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     """
     cfg = resolve_config(cfg)
     spec = parse_tokenizer(cfg.get("tokenizer", "gpt2"))
-    source_fp = get_source(cfg).fingerprint(cfg)
+    source_fp = get_source(cfg).identity(cfg)
     fp = fingerprint(spec.cache_key, source_fp)
     out = cache_root(cfg) / cfg["name"] / f"{spec.name}-{fp[:12]}"
     meta = _verified_meta(cfg["name"], out, fp, verbose)

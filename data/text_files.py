@@ -43,7 +43,7 @@ def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
     return {"train": train, "val": expand_files(cfg.get("val_files"), "val_files")}
 
 
-def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
+def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """Path, size and mtime of every file: cheap to compute, and changes when a file is edited."""
     stats = {
         split: [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
