@@ -116,7 +116,7 @@ def test_an_upward_import_is_reported(path, source):
 def test_downward_and_own_package_imports_are_allowed():
     """Positive control: the checker does not flag what the floors allow."""
     modules = {
-        "train.py": "from trainer.loop import Trainer\nfrom core.errors import user_errors",
+        "train.py": "from trainer.loop import Trainer\nfrom base.errors import user_errors",
         "trainer/loop.py": "from inference.generate import generate\nfrom trainer import optim",
         "core/checkpoint.py": "from model import GPT\nfrom data.tokenizer import TOKENIZER_FILE",
         "model/gpt.py": "import torch\nfrom base.checks import check\nfrom model.rope import x",
