@@ -5,7 +5,7 @@ import json
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from core.errors import user_errors
+from base.errors import user_errors
 from trainer.evaluation import evaluate_checkpoint
 
 

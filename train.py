@@ -6,8 +6,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from base.errors import user_errors
 from core.checkpoint import CheckpointError
-from core.errors import user_errors
 from trainer.cli import run_config
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import PreparedData, prepare  # noqa: E402
+from data import PreparedData, prepare_data  # noqa: E402
 
 TOKENIZERS = "gpt2,bytes,bpe-512,bpe-1024,bpe-2048"
 
@@ -25,7 +25,7 @@ TOKENIZERS = "gpt2,bytes,bpe-512,bpe-1024,bpe-2048"
 def prepare_timed(cache: str, tokenizer: str, num_proc: int) -> tuple[PreparedData, float]:
     start = time.perf_counter()
     cfg = {"name": "shakespeare", "cache_dir": cache, "num_proc": num_proc, "tokenizer": tokenizer}
-    prepared = prepare(cfg, verbose=False)
+    prepared = prepare_data(cfg, verbose=False)
     return prepared, time.perf_counter() - start
 
 

@@ -228,11 +228,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
         write_text(data_dir)
-        from data import prepare  # once here: every child finds the prepared cache
+        from data import prepare_data  # once here: every child finds the prepared cache
 
         cell = dict(preset="nano", impl="manual", optim="adamw", dtype="float32", compile=False)
         settings, _ = compose(overrides(cell, args, data_dir))
-        prepare(settings.data, verbose=False)
+        prepare_data(settings.data, verbose=False)
         run_all(presets, args, data_dir)
 
 

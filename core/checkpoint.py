@@ -33,7 +33,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from data import PreparedData
+from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
 MODEL_FILE = "model.safetensors"
@@ -64,6 +65,12 @@ class Checkpoint:
         """The tokenizer the model was trained with, from the checkpoint alone (a trained one
         from its verified copy of tokenizer.json)."""
         return load_tokenizer(self.tokenizer_name, self.path)
+
+    def same_tokenizer(self, data: PreparedData) -> bool:
+        """Whether `data` is tokenized exactly as this model's training data was (a trained
+        tokenizer changes with its training text, not only with its name)."""
+        ours = tokenizer_fingerprint(self.tokenizer_name, self.path)
+        return ours == tokenizer_fingerprint(data.tokenizer_name, data.dir)
 
 
 def _sha256(path: Path) -> str:
@@ -214,6 +221,12 @@ def recover_interrupted_swap(path: Path) -> None:
         os.replace(old, path)
 
 
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds a checkpoint whose write finished (it has its manifest)."""
+    recover_interrupted_swap(path)
+    return (path / MANIFEST_FILE).is_file()
+
+
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the manifest (sizes and sha256) and return the parsed config.json."""
     path = Path(path)
@@ -282,13 +295,20 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
         order = (prefer, "last" if prefer == "best" else "best")
         candidates += [base / name for name in order]
     for candidate in candidates:
-        recover_interrupted_swap(candidate)
-        if (candidate / MANIFEST_FILE).is_file():
+        if is_complete(candidate):
             return candidate
     raise CheckpointError(
         f"no checkpoint found at {path} (looked for {MANIFEST_FILE} in: "
         + ", ".join(str(c) for c in candidates)
         + ")"
+    )
+
+
+def find_checkpoint(path: str | Path | None, prefer: str = "best") -> Path:
+    """What the `checkpoint=` key of sample.py and evaluate.py means: a checkpoint, run or
+    `checkpoints/` directory (see resolve_checkpoint), or null for the newest run in ./outputs."""
+    return (
+        latest_checkpoint("outputs", prefer) if path is None else resolve_checkpoint(path, prefer)
     )
 
 

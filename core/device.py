@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ConfigError
+from base.errors import ConfigError
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
 # Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.

@@ -3,7 +3,7 @@
 from data.config import known_datasets
 from data.errors import DataError
 from data.metrics import bits_per_byte
-from data.pipeline import PreparedData, prepare
+from data.pipeline import PreparedData, prepare_data
 from data.sampler import BatchSampler, iter_eval_batches
 from data.tokenizer import get_tokenizer, load_tokenizer
 
@@ -18,5 +18,5 @@ __all__ = [
     "get_tokenizer",
     "iter_eval_batches",
     "load_tokenizer",
-    "prepare",
+    "prepare_data",
 ]

@@ -7,8 +7,8 @@ size and sha256 under ``tokenizer_file``. ``meta.json`` is written last, and eve
 through a temporary name and an atomic rename, so an interrupted preparation never leaves
 something that passes this check; a file damaged afterwards (truncated, overwritten, a flipped
 bit) fails it with a message naming the file. :func:`verify_prepared` is that check, the only
-one: ``prepare()`` runs it whenever it reuses a directory, and every reader of token files
-(training, resuming, ``evaluate.py``, each torchrun rank) gets them from ``prepare()``.
+one: ``prepare_data()`` runs it whenever it reuses a directory, and every reader of token files
+(training, resuming, ``evaluate.py``, each torchrun rank) gets them from ``prepare_data()``.
 
 Cost. A token file's sha256 is computed while it is written (no extra pass). Verifying checks
 all sizes first (free: a truncated file fails without reading anything), then hashes every byte
@@ -18,7 +18,7 @@ gpt2 train split (3.3 MB) hashes in 3-6 ms and the whole directory verifies in u
 10B-token FineWeb (20 GB of uint16) therefore takes about 30 s (10-15 s on a core that hashes at
 1.5-2 GB/s; estimated, not measured), plus the disk read when the files are not in page cache.
 Under torchrun rank 0 verifies (or rebuilds) first and the other ranks then verify concurrently,
-so startup waits about twice that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare()`` prints a
+so startup waits about twice that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare_data()`` prints a
 line before hashing, so the wait is explained.
 """
 

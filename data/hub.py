@@ -30,7 +30,7 @@ def _local_files(data_files: Any) -> list[Path]:
     return expand_files(data_files, "data_files")
 
 
-def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
+def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config identifies a hub dataset; local ``data_files`` also contribute size and mtime."""
     local = _local_files(cfg.get("data_files"))
     files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local]

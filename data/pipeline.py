@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from data.bpe import train_bpe
 from data.cache import (
+    META,
     InvalidCache,
     atomic_path,
     file_entry,
@@ -29,9 +30,9 @@ from data.cache import (
     write_meta,
 )
 from data.config import cache_root, resolve_config
+from data.encode import MAP_BATCH_SIZE, write_split
 from data.errors import DataError
 from data.registry import get_source
-from data.tokenize import MAP_BATCH_SIZE, write_split
 from data.tokenizer import (
     TOKENIZER_FILE,
     TokenizerSpec,
@@ -118,7 +119,7 @@ def _build(
         get_tokenizer(tokenizer)  # fail on a bad tokenizer (download) before loading any data
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # invalidate before replacing any token file
+    (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
     trained = _train_tokenizer(cfg, spec, docs["train"], out, verbose) if spec.trained else {}
     enc = load_tokenizer(tokenizer, out)
     token_dir = str(out) if spec.trained else None
@@ -187,7 +188,7 @@ def _verified_meta(name: str, out: Path, fp: str, verbose: bool) -> dict[str, An
     return meta
 
 
-def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
+def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
 
     A cache directory is reused only after :func:`data.cache.verify_prepared` (sizes and sha256
@@ -201,7 +202,7 @@ def prepare(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> Pre
     """
     cfg = resolve_config(cfg)
     spec = parse_tokenizer(cfg.get("tokenizer", "gpt2"))
-    source_fp = get_source(cfg).fingerprint(cfg)
+    source_fp = get_source(cfg).identity(cfg)
     fp = fingerprint(spec.cache_key, source_fp)
     out = cache_root(cfg) / cfg["name"] / f"{spec.name}-{fp[:12]}"
     meta = _verified_meta(cfg["name"], out, fp, verbose)

@@ -1,7 +1,7 @@
 """CLI: ``python -m data.prepare data=<name> [data.key=value ...]`` prepares one dataset.
 
 It prints per-split tokens, bytes and throughput, then one JSON summary line. User mistakes
-print ``error: <msg>`` on stderr and exit 2.
+print ``error: <msg>`` on stderr and exit 2 (base/errors.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 
+from base.errors import USER_ERRORS, report_user_error
 from data.config import CONFIG_DIR, known_datasets
 from data.errors import DataError
-from data.pipeline import prepare
+from data.pipeline import prepare_data
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -33,10 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: prepare one dataset and end with a one-line JSON summary."""
     start = time.perf_counter()
     try:
-        data = prepare(_compose(sys.argv[1:] if argv is None else argv).data)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        data = prepare_data(_compose(sys.argv[1:] if argv is None else argv).data)
+    except USER_ERRORS as e:
+        return report_user_error(e)
     summary = {"dataset": data.meta["dataset"]}
     for split, stats in data.meta["splits"].items():
         summary[split] = {"tokens": stats["tokens"], "bytes": stats["bytes"]}

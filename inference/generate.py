@@ -7,21 +7,15 @@ and the next token is drawn from those logits by `next_token`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from base.checks import check, is_int, is_number
 from inference.filters import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 from model import GPT
-
-
-def _check(name: str, value: object, kind: type, ok: Callable[[float], bool], rule: str) -> None:
-    """Raise a one-line ValueError naming the field unless value is a `kind` satisfying ok."""
-    kinds = (int, float) if kind is float else (kind,)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -36,16 +30,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
 
     def __post_init__(self) -> None:
-        _check("temperature", self.temperature, float, lambda x: x >= 0, ">= 0 (0 means greedy)")
-        if self.top_k is not None:
-            _check("top_k", self.top_k, int, lambda x: x >= 1, "an integer >= 1 or null")
-        if self.top_p is not None:
-            _check("top_p", self.top_p, float, lambda x: 0 < x <= 1, "in (0, 1] or null")
-        if self.min_p is not None:
-            _check("min_p", self.min_p, float, lambda x: 0 <= x <= 1, "in [0, 1] or null")
-        _check(
-            "repetition_penalty", self.repetition_penalty, float, lambda x: x > 0, "> 0 (1 is off)"
-        )
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        check("temperature", t, is_number(t, 0), ">= 0 (0 means greedy)")
+        check("top_k", k, k is None or is_int(k, 1), "an integer >= 1 or null")
+        check("top_p", p, p is None or (is_number(p, 0, 1) and p > 0), "in (0, 1] or null")
+        check("min_p", m, m is None or is_number(m, 0, 1), "in [0, 1] or null")
+        penalty = self.repetition_penalty
+        check("repetition_penalty", penalty, is_number(penalty) and penalty > 0, "> 0 (1 is off)")
 
 
 def next_token(

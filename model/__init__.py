@@ -1,7 +1,15 @@
 """The causalgpt model: `from model import GPT, GPTConfig`."""
 
 from model.config import ATTENTION_IMPLS, GPTConfig, load_preset, preset_names
-from model.gpt import GPT
+from model.gpt import GPT, eval_mode
 from model.kv_cache import KVCache
 
-__all__ = ["ATTENTION_IMPLS", "GPT", "GPTConfig", "KVCache", "load_preset", "preset_names"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "GPT",
+    "GPTConfig",
+    "KVCache",
+    "load_preset",
+    "eval_mode",
+    "preset_names",
+]

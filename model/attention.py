@@ -12,7 +12,8 @@ heads), and `pos_embedding: rope` rotates them by their positions (model/rope.py
 `attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
 scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
 `attention: flash` computes the same thing tile by tile without ever storing S, so its memory
-grows linearly with T (model/flash_attention.py); asking for the weights S falls back to manual.
+grows linearly with T (model/flash_attention.py). `probs` computes S by the formula, for any
+of the three (the attention plots and tests ask for it; the forward pass never does).
 """
 
 from __future__ import annotations
@@ -71,23 +72,13 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         cache: KVCache | None = None,
-        need_weights: bool = False,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
         """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
         earlier ones come from the cache. rope: the (cos, sin) tables of x's positions, each
-        (T, hs/2), when pos_embedding is rope. Returns (y, S) where S is None unless
-        need_weights."""
+        (T, hs/2), when pos_embedding is rope. Returns Y (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
-
+        q, k, v = self.heads(x, rope)  # each (B, nh, T, hs)
         past = 0
         if cache is not None:
             past = cache.length
@@ -95,9 +86,8 @@ class CausalSelfAttention(nn.Module):
         allowed = self.causal_mask[past : past + T, : past + T]  # (T, past + T)
         dropout_p = self.dropout if self.training else 0.0
 
-        probs = None
-        if self.impl == "manual" or need_weights:
-            y, probs = causal_attention(q, k, v, allowed, dropout_p)
+        if self.impl == "manual":
+            y, _ = causal_attention(q, k, v, allowed, dropout_p)
         elif self.impl == "flash":  # the queries are the last T of the past + T keys
             y = flash_causal_attention(q, k, v, *self.flash_blocks, dropout_p)  # (B, nh, T, hs)
         else:  # sdpa
@@ -111,5 +101,29 @@ class CausalSelfAttention(nn.Module):
             )  # (B, nh, T, hs)
 
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
-        y = self.resid_dropout(self.c_proj(y))  # W_O
-        return y, probs
+        return self.resid_dropout(self.c_proj(y))  # W_O
+
+    def heads(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
+        return q, k, v
+
+    def probs(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The attention probabilities S of x (B, T, C) from the formula, whatever `impl` is
+        (flash never forms S): (B, nh, T, T)."""
+        T = x.size(1)
+        q, k, v = self.heads(x, rope)
+        _, probs = causal_attention(q, k, v, self.causal_mask[:T, :T])
+        return probs

@@ -54,7 +54,7 @@ def jacobian_leaks(model: GPT, idx: torch.Tensor, seed: int = 0) -> list[str]:
         emb = model.transformer.wte(idx).detach().requires_grad_(True)  # (B, T, C)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            logits, _ = model.forward_embeddings(emb)
+            logits, _ = model(embeddings=emb)
         (grad,) = torch.autograd.grad(logits[:, t].sum(), emb)  # (B, T, C)
         if t + 1 < T and grad[:, t + 1 :].abs().max().item() != 0.0:
             problems.append(f"t={t}: gradient reaches positions > t")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from math import inf
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from base.checks import boolean, check, choice, is_number, positive_int
+from base.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 ATTENTION_IMPLS = ("manual", "sdpa", "flash")
@@ -18,8 +20,7 @@ MLPS = ("gelu", "relu2", "swiglu")
 
 
 def _positive_number(value: Any) -> bool:
-    """A finite int or float > 0 (YAML's true and false are not numbers)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < inf
+    return is_number(value) and value > 0
 
 
 @dataclass
@@ -57,49 +58,44 @@ class GPTConfig:
     def __post_init__(self) -> None:
         positive = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
         for name in (*positive, "flash_block_q", "flash_block_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+            positive_int(f"model.{name}", getattr(self, name))
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}): "
                 "each head gets d_k = n_embd / n_head dimensions"
             )
-        if (
-            isinstance(self.dropout, bool)
-            or not isinstance(self.dropout, (int, float))
-            or not (0.0 <= self.dropout < 1.0)
-        ):
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"model.attention={self.attention!r} is unknown; "
-                f"choose one of {list(ATTENTION_IMPLS)}"
-            )
+        check(
+            "model.dropout",
+            self.dropout,
+            is_number(self.dropout, 0.0) and self.dropout < 1,
+            "in [0, 1)",
+        )
         for name in ("bias", "tie_embeddings", "qk_norm", "zero_init_proj"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
-        for name, choices in (("pos_embedding", POS_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise ValueError(
-                    f"model.{name}={value!r} is unknown; choose one of {list(choices)}"
-                )
+            boolean(f"model.{name}", getattr(self, name))
+        for name, choices in (
+            ("attention", ATTENTION_IMPLS),
+            ("pos_embedding", POS_EMBEDDINGS),
+            ("norm", NORMS),
+            ("mlp", MLPS),
+        ):
+            choice(f"model.{name}", getattr(self, name), choices)
         for name in ("rope_base", "mlp_ratio"):
             value = getattr(self, name)
-            if not _positive_number(value):
-                raise ValueError(f"model.{name} must be a positive number, got {value!r}")
-        if self.logit_softcap is not None and not _positive_number(self.logit_softcap):
-            raise ValueError(
-                f"model.logit_softcap must be a positive number or null, got {self.logit_softcap!r}"
-            )
+            check(f"model.{name}", value, _positive_number(value), "a positive number")
+        cap = self.logit_softcap
+        check(
+            "model.logit_softcap",
+            cap,
+            cap is None or _positive_number(cap),
+            "a positive number or null",
+        )
         if self.pos_embedding == "rope" and self.head_size % 2 != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.pos_embedding=rope rotates pairs of dimensions: the head size "
                 f"n_embd / n_head = {self.head_size} must be even"
             )
         if self.mlp_hidden < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"model.mlp_ratio={self.mlp_ratio} gives the MLP no hidden units "
                 f"at n_embd={self.n_embd}"
             )
@@ -124,7 +120,9 @@ class GPTConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(fields)}")
+            raise ConfigError(
+                f"unknown model config key(s) {unknown}; known keys: {sorted(fields)}"
+            )
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

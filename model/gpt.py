@@ -20,7 +20,9 @@ The defaults are GPT-2 (model/hf.py loads its weights); each option of GPTConfig
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,18 @@ from model.config import GPTConfig
 from model.kv_cache import KVCache
 from model.norm import make_norm
 from model.rope import RotaryTables
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode (no dropout) inside the block, back in its previous mode after it,
+    even when the block raises."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class MLP(nn.Module):
@@ -72,13 +86,11 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         cache: KVCache | None = None,
-        need_weights: bool = False,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a, probs = self.attn(self.ln_1(x), cache, need_weights, rope)
-        x = x + a
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope)
         x = x + self.mlp(self.ln_2(x))
-        return x, probs
+        return x
 
 
 class GPT(nn.Module):
@@ -124,24 +136,24 @@ class GPT(nn.Module):
 
     def forward(
         self,
-        idx: torch.Tensor,
+        idx: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
         targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
-        With a cache, idx holds only the new tokens and positions continue from the cache."""
-        return self.forward_embeddings(self.transformer.wte(idx), targets, cache)
-
-    def forward_embeddings(
-        self,
-        tok_emb: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward` from token embeddings (B, T, C): lets the causality tests differentiate the
-        logits with respect to the inputs."""
-        x, _ = self._trunk(tok_emb, cache, need_weights=False)
+        With a cache, idx holds only the new tokens and positions continue from the cache.
+        `embeddings` (B, T, C) replaces wte[idx] (soft prompts; gradients with respect to the
+        inputs, as the causality checks take them)."""
+        tok_emb = self.transformer.wte(idx) if embeddings is None else embeddings  # (B, T, C)
+        start = cache.length if cache is not None else 0
+        x, rope = self.embed(tok_emb, start)
+        for block in self.transformer.h:
+            x = block(x, cache, rope)
+        if cache is not None:
+            cache.advance(x.size(1))
+        x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
@@ -153,30 +165,17 @@ class GPT(nn.Module):
             )
         return logits, loss
 
-    @torch.no_grad()
-    def attention_probs(self, idx: torch.Tensor) -> torch.Tensor:
-        """The attention probabilities S of every layer and head for idx (B, T), computed with
-        the formula (whatever `attention` is) and without dropout: (n_layer, B, nh, T, T)."""
-        was_training = self.training
-        self.eval()
-        try:
-            _, probs = self._trunk(self.transformer.wte(idx), None, need_weights=True)
-        finally:
-            self.train(was_training)
-        return torch.stack(probs)
-
-    def _trunk(
-        self, tok_emb: torch.Tensor, cache: KVCache | None, need_weights: bool
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Embeddings -> blocks -> final norm. Returns (x (B, T, C), per-layer S if asked)."""
-        B, T, C = tok_emb.shape
-        start = cache.length if cache is not None else 0
+    def embed(
+        self, tok_emb: torch.Tensor, start: int = 0
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The first block's input from token embeddings (B, T, C) at positions start, ...,
+        start + T - 1, and rope's (cos, sin) tables of those positions (None for learned)."""
+        T = tok_emb.size(1)
         if start + T > self.config.block_size:
             raise ValueError(
                 f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
-        # Positions continue from the cache: start, ..., start + T - 1.
         rope = None
         if self.rotary is not None:
             x = tok_emb  # positions enter through q and k, in every layer's attention
@@ -184,15 +183,19 @@ class GPT(nn.Module):
         else:
             pos = torch.arange(start, start + T, device=tok_emb.device)  # (T,)
             x = tok_emb + self.transformer.wpe(pos)  # (B, T, C)
-        x = self.transformer.drop(x)
-        all_probs = []
-        for block in self.transformer.h:
-            x, probs = block(x, cache, need_weights, rope)
-            if probs is not None:
-                all_probs.append(probs)
-        if cache is not None:
-            cache.advance(T)
-        return self.transformer.ln_f(x), all_probs
+        return self.transformer.drop(x), rope
+
+    @torch.no_grad()
+    def attention_probs(self, idx: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities S of every layer and head for idx (B, T), computed with
+        the formula (whatever `attention` is) and without dropout: (n_layer, B, nh, T, T)."""
+        with eval_mode(self):
+            x, rope = self.embed(self.transformer.wte(idx))
+            probs = []
+            for block in self.transformer.h:
+                probs.append(block.attn.probs(block.ln_1(x), rope))  # (B, nh, T, T)
+                x = block(x, rope=rope)
+        return torch.stack(probs)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache sized for this model, on its device and in its dtype."""

@@ -12,7 +12,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from data import PreparedData, prepare  # noqa: E402
+from data import PreparedData, prepare_data  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 
@@ -32,10 +32,10 @@ def tiny_model() -> GPT:
 def shakespeare_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A data cache directory holding the prepared Shakespeare data."""
     cache = tmp_path_factory.mktemp("cache")
-    prepare({"name": "shakespeare", "cache_dir": str(cache)}, verbose=False)
+    prepare_data({"name": "shakespeare", "cache_dir": str(cache)}, verbose=False)
     return str(cache)
 
 
 @pytest.fixture(scope="session")
 def shakespeare(shakespeare_cache: str) -> PreparedData:
-    return prepare({"name": "shakespeare", "cache_dir": shakespeare_cache}, verbose=False)
+    return prepare_data({"name": "shakespeare", "cache_dir": shakespeare_cache}, verbose=False)

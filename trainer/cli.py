@@ -10,7 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from core.errors import EXIT_USER_ERROR
+from base.errors import EXIT_USER_ERROR
 from trainer.config import RunConfig
 
 

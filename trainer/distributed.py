@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from core.errors import ConfigError
+from base.errors import ConfigError
 from model import GPT
 
 T = TypeVar("T")

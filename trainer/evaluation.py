@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from base.checks import check, is_int
+from core.checkpoint import find_checkpoint, load_checkpoint
 from core.device import Precision, resolve_device, resolve_precision
-from data import DataError, iter_eval_batches, prepare
-from data.tokenizer import tokenizer_fingerprint
-from model import GPT
+from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
+from data.text_files import read_utf8
+from model import GPT, eval_mode
 from trainer.distributed import all_reduce_sum, in_lockstep
 
 
@@ -80,8 +81,6 @@ def evaluate(
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
     the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
     its share of the windows and every rank returns the totals over all ranks."""
-    was_training = model.training
-    model.eval()
     block_size = model.config.block_size
     if stride is None:
         batches = iter_eval_batches(tokens, block_size, batch_size, max_batches, rank, world_size)
@@ -90,18 +89,18 @@ def evaluate(
     # Under FSDP every forward is a collective: a rank out of windows runs an unscored filler.
     window = torch.from_numpy(tokens[None, :block_size].astype(np.int64))
     total_nats, total_tokens, n, loss_sum, loss_sq_sum = 0.0, 0, 0, 0.0, 0.0
-    for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
-        x, y = x.to(precision.device), y.to(precision.device)
-        with precision.autocast():
-            _, loss = model(x, y)
-        if not scores:
-            continue
-        scored = int((y != -1).sum())
-        batch_loss = loss.item()
-        total_nats += batch_loss * scored
-        total_tokens += scored
-        n, loss_sum, loss_sq_sum = n + 1, loss_sum + batch_loss, loss_sq_sum + batch_loss**2
-    model.train(was_training)
+    with eval_mode(model):
+        for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
+            x, y = x.to(precision.device), y.to(precision.device)
+            with precision.autocast():
+                _, loss = model(x, y)
+            if not scores:
+                continue
+            scored = int((y != -1).sum())
+            batch_loss = loss.item()
+            total_nats += batch_loss * scored
+            total_tokens += scored
+            n, loss_sum, loss_sq_sum = n + 1, loss_sum + batch_loss, loss_sq_sum + batch_loss**2
     total_nats, total_tokens, n, loss_sum, loss_sq_sum = all_reduce_sum(
         [total_nats, total_tokens, n, loss_sum, loss_sq_sum], precision.device
     )
@@ -109,7 +108,7 @@ def evaluate(
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
     return EvalResult(
         loss=mean,
-        bpb=mean / math.log(2) / bytes_per_token,
+        bpb=bits_per_byte(mean, total_tokens, total_tokens * bytes_per_token),
         tokens=int(total_tokens),
         bytes=total_tokens * bytes_per_token,
         stderr=math.sqrt(max(variance, 0.0) / n),
@@ -119,39 +118,28 @@ def evaluate(
 def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
     split, or on any UTF-8 `text_file`. See configs/evaluate.yaml for the keys."""
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    path = find_checkpoint(cfg["checkpoint"])
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     ckpt = load_checkpoint(path, device)
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
-        if not file.is_file():
-            raise FileNotFoundError(f"text_file {file.resolve()} does not exist")
-        raw = file.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"text_file {file} is not UTF-8 (invalid byte at {e.start})") from None
+        text = read_utf8(file, "text_file")
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
-        source, nbytes = str(file), len(raw)
+        source, nbytes = str(file), len(text.encode("utf-8"))
     else:
-        data = prepare(ckpt.run_config["data"], verbose=False)
-        if tokenizer_fingerprint(data.tokenizer_name, data.dir) != tokenizer_fingerprint(
-            ckpt.tokenizer_name, ckpt.path
-        ):
+        data = prepare_data(ckpt.run_config["data"], verbose=False)
+        if not ckpt.same_tokenizer(data):
             raise DataError(
                 f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "
                 f"{path} (its training text changed since); evaluate with text_file=<path>"
             )
         tokens = data.tokens("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
-    stride = cfg["stride"]
-    if stride is not None and not (
-        isinstance(stride, int) and 0 < stride <= ckpt.model.config.block_size
-    ):
-        raise ValueError(f"stride must be null or an integer in [1, block_size], got {stride!r}")
+    stride, block_size = cfg["stride"], ckpt.model.config.block_size
+    ok = stride is None or (is_int(stride, 1) and stride <= block_size)
+    check("stride", stride, ok, "null or an integer in [1, block_size]")
     # Every token but the first is predicted, and together they span all the bytes.
     result = evaluate(
         ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision, stride=stride

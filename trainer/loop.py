@@ -21,23 +21,22 @@ from typing import Any
 
 import torch
 
+from base.errors import ConfigError
 from core.checkpoint import (
     Checkpoint,
     CheckpointError,
     check_writable,
+    is_complete,
     load_checkpoint,
-    recover_interrupted_swap,
     resolve_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
 from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
-from core.errors import ConfigError
-from data import PreparedData, prepare
+from data import PreparedData, prepare_data
 from data.sampler import BatchSampler
-from data.tokenizer import tokenizer_fingerprint
 from inference.generate import SamplingParams, generate
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, eval_mode
 from trainer.config import RunConfig
 from trainer.console import Progress, format_seconds
 from trainer.distributed import (
@@ -82,6 +81,20 @@ class TrainState:
     elapsed: float = 0.0  # seconds spent in the training loop, summed over resumes
     skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nan=skip)
     wandb_id: str | None = None
+
+
+class _Throughput:
+    """Tokens per second over the steps since the last `restart`."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def tokens_per_s(self) -> float:
+        return self.steps * self.tokens_per_step / (time.perf_counter() - self.start)
 
 
 class _StopSignals:
@@ -146,7 +159,7 @@ class Trainer:
         configure_backends(self.device)
 
         with main_first():
-            self.data = prepare(cfg.data, verbose=self.dist.is_main)
+            self.data = prepare_data(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
         self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
         self.block_size = self.model.config.block_size
@@ -169,9 +182,23 @@ class Trainer:
         )
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
+        self.resumed_from = None if resume_from is None else resume_from.path
         if resume_from is not None:
             self._resume(resume_from)
         self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
+
+        # What throughput and MFU are measured against: tokens/s are counted over all ranks.
+        world, train = self.dist.world_size, cfg.train
+        self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * self.block_size
+        self.flops_per_token = self.model.flops_per_token(self.block_size)
+        peak, self.peak_source = peak_flops(self.precision)
+        self.peak_flops = peak and peak * world
+        # Last: the tracker starts a wandb run, and a failure above must not leave one behind.
+        self.tracker = Tracker(
+            cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id, enabled=self.dist.is_main
+        )
+        self.state.wandb_id = self.tracker.run_id
+        self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
@@ -188,9 +215,7 @@ class Trainer:
                 f"run's model is {self.model.config.to_dict()}; resume with the same model config"
             )
         data = self.data
-        if tokenizer_fingerprint(ckpt.tokenizer_name, ckpt.path) != tokenizer_fingerprint(
-            data.tokenizer_name, data.dir
-        ):
+        if not ckpt.same_tokenizer(data):
             raise CheckpointError(
                 f"the checkpoint at {source} was trained with another {ckpt.tokenizer_name} "
                 f"tokenizer than this run's data ({data.tokenizer_name} in {data.dir}; a "
@@ -212,7 +237,6 @@ class Trainer:
         # A kill after a `best` write and before the next `last` leaves a `best` that `last`'s
         # state does not know: a worse model must not replace it.
         self.state.best_val_loss = min(self.state.best_val_loss, self._best_on_disk())
-        self.resumed_from = ckpt.path
 
     def _best_on_disk(self) -> float:
         """The validation loss recorded by this run's complete `best` checkpoint (inf if none)."""
@@ -227,8 +251,7 @@ class Trainer:
             return None
         if resume == "auto":  # continue this run directory if it has a checkpoint
             last = self.ckpt_dir / "last"
-            recover_interrupted_swap(last)
-            return last if (last / "manifest.json").is_file() else None
+            return last if is_complete(last) else None
         return resolve_checkpoint(resume, prefer="last")
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -336,47 +359,60 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to max_steps or max_seconds, then evaluate the whole validation split.
         Returns the final summary (also printed as the last line, as JSON)."""
-        cfg, world = self.cfg, self.dist.world_size
-        tokens_per_step = (
-            cfg.train.batch_size * cfg.train.grad_accum_steps * world * self.block_size
-        )
-        flops_per_token = self.model.flops_per_token(self.block_size)
-        peak, peak_source = peak_flops(self.precision)
-        peak = peak and peak * world  # tokens/s are counted over all ranks
-        self.tracker = Tracker(
-            cfg.wandb,
-            self.run_dir,
-            self.resolved_config,
-            self.state.wandb_id,
-            enabled=self.dist.is_main,
-        )
-        self.state.wandb_id = self.tracker.run_id
-        self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
-        ranks = f", {world} ranks ({cfg.parallel.strategy})" if self.dist.enabled else ""
-        self.progress.message(
-            f"run dir: {self.run_dir}\n"
-            f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
-            f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
-            f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
-            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}, MFU vs {peak_source}\n"
-            f"{self.tracker.location}"
-        )
-        if getattr(self, "resumed_from", None):
-            self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
-
+        self._announce()
         exit_code = 1
         try:
             with _StopSignals() as stop:
-                self._loop(stop, tokens_per_step, flops_per_token, peak)
+                self._loop(stop)
             summary = self._finish()
             exit_code = 0
-            return summary
         finally:
             self.progress.close()
             self.tracker.finish(exit_code)
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.parallel_model = self.step_model = self.model
             destroy()
+        self._report(summary)
+        return summary
+
+    def _loop(self, stop: _StopSignals) -> None:
+        cfg, state = self.cfg.train, self.state
+        loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
+        throughput = _Throughput(self.tokens_per_step)
+        signum, out_of_time = self._stop_requested(stop)
+        while state.step < cfg.max_steps and not out_of_time:
+            loss, grad_norm = self.train_step()
+            state.step += 1
+            throughput.steps += 1
+            state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
+            signum, out_of_time = self._stop_requested(stop)
+
+            logged = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
+            if logged:
+                self._log(loss, grad_norm, throughput.tokens_per_s())
+            if cfg.eval_interval and state.step % cfg.eval_interval == 0:
+                self._periodic_eval()
+            if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
+                self.save("last")
+            if logged:
+                throughput.restart()  # tokens/s measures training: evaluations and saves excluded
+            if signum:
+                self._interrupted(signum)
+
+    def _announce(self) -> None:
+        """What is about to be trained, on what, and where it goes."""
+        world = self.dist.world_size
+        ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
+        self.progress.message(
+            f"run dir: {self.run_dir}\n"
+            f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
+            f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
+            f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
+            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}, "
+            f"MFU vs {self.peak_source}\n{self.tracker.location}"
+        )
+        if self.resumed_from is not None:
+            self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
 
     def _stop_requested(self, stop: _StopSignals) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
@@ -386,56 +422,34 @@ class Trainer:
         signum, late = all_reduce_max([stop.signum or 0, late], self.device)
         return int(signum), bool(late)
 
-    def _loop(
-        self, stop: _StopSignals, tokens_per_step: int, flops_per_token: float, peak: float | None
-    ) -> None:
-        cfg, state = self.cfg.train, self.state
-        loop_start = time.perf_counter()
-        elapsed_at_start = state.elapsed
-        window_start, window_steps = time.perf_counter(), 0
-        signum, out_of_time = self._stop_requested(stop)
-        while state.step < cfg.max_steps and not out_of_time:
-            loss, grad_norm = self.train_step()
-            state.step += 1
-            window_steps += 1
-            state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-            signum, out_of_time = self._stop_requested(stop)
-            if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
-                now = time.perf_counter()
-                tok_s = window_steps * tokens_per_step / (now - window_start)
-                values = {
-                    "loss": loss.item(),
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "grad_norm": grad_norm.item(),
-                    "tok/s": tok_s,
-                }
-                if peak:
-                    values["mfu"] = tok_s * flops_per_token / peak
-                self.losses[state.step] = values["loss"]
-                self.progress.update(state.step, values, self._eta(tok_s, tokens_per_step))
-                self.tracker.log(
-                    {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()},
-                    state.step,
-                )
-                window_start, window_steps = now, 0
-            if cfg.eval_interval and state.step % cfg.eval_interval == 0:
-                self._periodic_eval()
-            if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
-                self.save("last")
-            if window_steps == 0:  # tokens/s measures training: evaluations and saves excluded
-                window_start = time.perf_counter()
-            if signum:
-                path = self.save("last")
-                launcher = "torchrun <flags> train.py" if self.dist.enabled else "python train.py"
-                raise TrainingInterrupted(
-                    signum,
-                    f"stopped by signal {signum} at step {state.step}; checkpoint saved to "
-                    f"{path}. Resume with: {launcher} hydra.run.dir={self.run_dir} "
-                    "train.resume=auto",
-                )
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
+        values = {
+            "loss": loss.item(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm.item(),
+            "tok/s": tok_s,
+        }
+        if self.peak_flops:
+            values["mfu"] = tok_s * self.flops_per_token / self.peak_flops
+        step = self.state.step
+        self.losses[step] = values["loss"]
+        self.progress.update(step, values, self._eta(tok_s))
+        self.tracker.log(
+            {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
+        )
 
-    def _eta(self, tok_s: float, tokens_per_step: int) -> float:
-        remaining = (self.cfg.train.max_steps - self.state.step) * tokens_per_step / tok_s
+    def _interrupted(self, signum: int) -> None:
+        """Save `last` and stop with the command that resumes."""
+        path = self.save("last")
+        launcher = "torchrun <flags> train.py" if self.dist.enabled else "python train.py"
+        raise TrainingInterrupted(
+            signum,
+            f"stopped by signal {signum} at step {self.state.step}; checkpoint saved to "
+            f"{path}. Resume with: {launcher} hydra.run.dir={self.run_dir} train.resume=auto",
+        )
+
+    def _eta(self, tok_s: float) -> float:
+        remaining = (self.cfg.train.max_steps - self.state.step) * self.tokens_per_step / tok_s
         if self.cfg.train.max_seconds is not None:
             remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
         return remaining
@@ -464,12 +478,10 @@ class Trainer:
         opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
         params = SamplingParams(temperature=0.8, top_k=200)
-        was_training = self.model.training
-        self.model.eval()
         rows = []
         for prompt in ([eot], opening):
             idx = torch.tensor([prompt], device=self.device)
-            with self.precision.autocast():
+            with eval_mode(self.model), self.precision.autocast():
                 out = generate(
                     self.model, idx, self.cfg.train.sample_tokens, params, generator, eot_token=eot
                 )
@@ -477,7 +489,6 @@ class Trainer:
             rows.append(
                 (self.tokenizer.decode([t for t in prompt if t != eot]), self.tokenizer.decode(new))
             )
-        self.model.train(was_training)
         return rows
 
     def _finish(self) -> dict[str, Any]:
@@ -497,15 +508,17 @@ class Trainer:
         }
         self.tracker.log(final.metrics("final_val"), self.state.step)
         self.tracker.summary(summary)
-        self.progress.close()
+        return summary
+
+    def _report(self, summary: dict[str, Any]) -> None:
+        """The closing lines on rank 0, the summary as JSON last."""
         if not self.dist.is_main:
-            return summary
+            return
         print(
             f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}; whole "
-            f"validation split ({final.tokens:,} tokens, non-overlapping windows of "
-            f"{self.block_size}): loss {final.loss:.4f}, bpb {final.bpb:.4f}\n"
-            f"checkpoint: {last} (best: {self.ckpt_dir / 'best'})\n"
+            f"validation split ({summary['val_tokens']:,} tokens, non-overlapping windows of "
+            f"{self.block_size}): loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}\n"
+            f"checkpoint: {summary['checkpoint']} (best: {summary['best_checkpoint']})\n"
             f"sample: python sample.py checkpoint={self.run_dir}"
         )
         print(json.dumps(summary))
-        return summary

@@ -11,7 +11,7 @@ import pytest
 import regex
 
 import data.pipeline
-from data import DataError, PreparedData, get_tokenizer, load_tokenizer, prepare
+from data import DataError, PreparedData, get_tokenizer, load_tokenizer, prepare_data
 from data.bpe import BPE, PATTERN, train_bpe
 from data.cache import read_valid_meta
 from data.shakespeare import VAL_PLAYS, play_files
@@ -64,7 +64,7 @@ def shakespeare_texts() -> dict[str, list[str]]:
 def shakespeare_bpe(shakespeare_cache: str) -> PreparedData:
     """Shakespeare prepared with bpe-1024, trained on its 34 training plays (~3 s)."""
     cfg = {"name": "shakespeare", "cache_dir": shakespeare_cache, "tokenizer": "bpe-1024"}
-    return prepare(cfg, verbose=False)
+    return prepare_data(cfg, verbose=False)
 
 
 # ----- bytes ---------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_the_split_pattern_is_gpt4s(shakespeare_bpe: PreparedData) -> None:
 def test_bpe_compresses_shakespeare_better_than_bytes(
     shakespeare_bpe: PreparedData, shakespeare: PreparedData, shakespeare_cache: str
 ) -> None:
-    nbytes = prepare(
+    nbytes = prepare_data(
         {"name": "shakespeare", "cache_dir": shakespeare_cache, "tokenizer": "bytes"},
         verbose=False,
     )
@@ -196,7 +196,9 @@ def test_bad_names_are_one_line_errors_naming_the_accepted_forms(name: str, tmp_
     for attempt in (
         lambda: get_tokenizer(name),
         lambda: load_tokenizer(name, tmp_path),
-        lambda: prepare({"name": "shakespeare", "cache_dir": str(tmp_path), "tokenizer": name}),
+        lambda: prepare_data(
+            {"name": "shakespeare", "cache_dir": str(tmp_path), "tokenizer": name}
+        ),
     ):
         with pytest.raises(DataError) as e:
             attempt()
@@ -236,7 +238,7 @@ def toy(tmp_path: Path) -> dict:
 
 
 def test_the_validation_split_never_trains_the_tokenizer(toy: dict) -> None:
-    prepared = prepare(toy, verbose=False)
+    prepared = prepare_data(toy, verbose=False)
     enc = prepared.tokenizer()
     train_text = Path(toy["train_files"][0]).read_text()
     alone, _ = train_bpe([train_text], 300)
@@ -249,9 +251,9 @@ def test_the_validation_split_never_trains_the_tokenizer(toy: dict) -> None:
 
 
 def test_each_tokenizer_spec_has_its_own_directory(toy: dict) -> None:
-    small = prepare(toy, verbose=False)
-    large = prepare({**toy, "tokenizer": "bpe-310"}, verbose=False)
-    plain = prepare({**toy, "tokenizer": "bytes"}, verbose=False)
+    small = prepare_data(toy, verbose=False)
+    large = prepare_data({**toy, "tokenizer": "bpe-310"}, verbose=False)
+    plain = prepare_data({**toy, "tokenizer": "bytes"}, verbose=False)
     assert len({small.dir, large.dir, plain.dir}) == 3
     assert small.dir.name.startswith("bpe-300-") and large.dir.name.startswith("bpe-310-")
     assert (small.vocab_size, large.vocab_size, plain.vocab_size) == (300, 310, 257)
@@ -266,30 +268,30 @@ def test_each_tokenizer_spec_has_its_own_directory(toy: dict) -> None:
 def test_a_repeat_reuses_and_changed_training_text_retrains(
     toy: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first = prepare(toy, verbose=False)
+    first = prepare_data(toy, verbose=False)
     with monkeypatch.context() as m:
         m.setattr(data.pipeline, "train_bpe", lambda *a, **k: pytest.fail("retrained"))
-        assert prepare(toy, verbose=False).dir == first.dir
+        assert prepare_data(toy, verbose=False).dir == first.dir
     other = play_files()["othello"].read_text("utf-8")[:20_000]
     Path(toy["train_files"][0]).write_text(other, encoding="utf-8")
-    second = prepare(toy, verbose=False)
+    second = prepare_data(toy, verbose=False)
     assert second.dir != first.dir
     assert second.tokenizer_file.read_text() != first.tokenizer_file.read_text()
     assert second.tokenizer().decode(second.tokens("train").tolist()[1:]) == other
 
 
 def test_a_damaged_tokenizer_file_invalidates_the_cache(toy: dict) -> None:
-    first = prepare(toy, verbose=False)
+    first = prepare_data(toy, verbose=False)
     good = first.tokenizer_file.read_bytes()
     first.tokenizer_file.write_bytes(good.replace(b'"20"', b'"21"', 1))
     assert read_valid_meta(first.dir, first.meta["fingerprint"]) is None
-    again = prepare(toy, verbose=False)
+    again = prepare_data(toy, verbose=False)
     assert again.dir == first.dir and again.tokenizer_file.read_bytes() == good
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bytes", "bpe-300"])
 def test_bytes_are_counted_from_the_raw_text(toy: dict, tokenizer: str) -> None:
-    prepared = prepare({**toy, "tokenizer": tokenizer}, verbose=False)
+    prepared = prepare_data({**toy, "tokenizer": tokenizer}, verbose=False)
     enc = prepared.tokenizer()
     for split, key in (("train", "train_files"), ("val", "val_files")):
         raw = Path(toy[key][0]).read_bytes()

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, IterableDataset
 
-from data import DataError, get_tokenizer, prepare
+from data import DataError, get_tokenizer, prepare_data
 from data.hub import load_split
 
 DOCS = [f"Story {i}: once upon a time there was a caf\u00e9 number {i}." for i in range(40)]
@@ -49,7 +49,7 @@ def test_load_split_yields_one_text_column(tmp_path: Path, streaming: bool) -> N
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_seeded_hold_out_of_whole_documents(tmp_path: Path, streaming: bool) -> None:
-    prepared = prepare(parquet_cfg(tmp_path, streaming=streaming), verbose=False)
+    prepared = prepare_data(parquet_cfg(tmp_path, streaming=streaming), verbose=False)
     train, val = decoded_documents(prepared, "train"), decoded_documents(prepared, "val")
     assert val and train and not set(train) & set(val)
     assert sorted(train + val) == sorted(DOCS)
@@ -68,13 +68,13 @@ def test_own_validation_split_from_json(tmp_path: Path) -> None:
         "val_split": "validation",
         "cache_dir": str(tmp_path / "cache"),
     }
-    prepared = prepare(cfg, verbose=False)
+    prepared = prepare_data(cfg, verbose=False)
     assert decoded_documents(prepared, "train") == DOCS[:30]
     assert decoded_documents(prepared, "val") == DOCS[30:]
 
 
 def test_caps_on_documents_and_train_tokens(tmp_path: Path) -> None:
-    prepared = prepare(
+    prepared = prepare_data(
         parquet_cfg(tmp_path, streaming=True, max_documents=20, max_train_tokens=50), verbose=False
     )
     splits = prepared.meta["splits"]
@@ -84,7 +84,7 @@ def test_caps_on_documents_and_train_tokens(tmp_path: Path) -> None:
 
 def test_wrong_text_field_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no column 'body'"):
-        prepare(parquet_cfg(tmp_path, text_field="body"), verbose=False)
+        prepare_data(parquet_cfg(tmp_path, text_field="body"), verbose=False)
 
 
 def test_zero_tokens_is_an_error(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_zero_tokens_is_an_error(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": ["", "", ""]}), path)
     cfg = parquet_cfg(tmp_path, data_files={"train": str(path)}, text_field="text")
     with pytest.raises(DataError, match="has no text"):
-        prepare(cfg, verbose=False)
+        prepare_data(cfg, verbose=False)
 
 
 def test_hub_configs_name_the_loader_arguments() -> None:

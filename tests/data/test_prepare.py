@@ -17,7 +17,7 @@ import pytest
 
 import data.cache
 import data.pipeline
-from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare
+from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
 from data.cache import InvalidCache, read_valid_meta, sha256_file, verify_prepared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_known_datasets_have_configs() -> None:
 def test_cache_is_reused(shakespeare: PreparedData, monkeypatch: pytest.MonkeyPatch) -> None:
     fail_builds(monkeypatch)
     cache_dir = shakespeare.dir.parents[1]
-    again = prepare({"name": "shakespeare", "cache_dir": str(cache_dir)}, verbose=False)
+    again = prepare_data({"name": "shakespeare", "cache_dir": str(cache_dir)}, verbose=False)
     assert again.dir == shakespeare.dir and again.meta == shakespeare.meta
 
 
@@ -77,13 +77,13 @@ def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
     val = tmp_path / "val.txt"
     val.write_text("held out text\n", encoding="utf-8")
     cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs" / "*.txt")], val_files=[str(val)])
-    first = prepare(cfg, verbose=False)
+    first = prepare_data(cfg, verbose=False)
     enc = get_tokenizer("gpt2")
     assert enc.decode(first.tokens("val").tolist()) == "<|endoftext|>held out text\n"
     assert first.meta["splits"]["train"]["documents"] == len(train)
-    assert prepare(cfg, verbose=False).dir == first.dir
+    assert prepare_data(cfg, verbose=False).dir == first.dir
     train[0].write_text("changed\n", encoding="utf-8")
-    second = prepare(cfg, verbose=False)
+    second = prepare_data(cfg, verbose=False)
     assert second.dir != first.dir
     assert "changed" in enc.decode(second.tokens("train").tolist())
 
@@ -91,10 +91,10 @@ def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
 def test_val_fraction_holds_out_whole_files(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=10)
     cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs") + "/*.txt"], val_fraction=0.2)
-    prepared = prepare(cfg, verbose=False)
+    prepared = prepare_data(cfg, verbose=False)
     splits = prepared.meta["splits"]
     assert splits["val"]["documents"] == 2 and splits["train"]["documents"] == 8
-    again = prepare({**cfg, "cache_dir": str(tmp_path / "other")}, verbose=False)
+    again = prepare_data({**cfg, "cache_dir": str(tmp_path / "other")}, verbose=False)
     assert np.array_equal(again.tokens("val"), prepared.tokens("val"))  # seeded, fixed
 
 
@@ -127,7 +127,7 @@ def test_a_flipped_byte_is_detected_and_rebuilt(
     with pytest.raises(InvalidCache, match=rf"^{re.escape(str(path))} fails its sha256 check"):
         verify_prepared(out, shakespeare.meta["fingerprint"])
     assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
-    rebuilt = prepare(cfg, verbose=False)
+    rebuilt = prepare_data(cfg, verbose=False)
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("shakespeare:")]
     assert line.startswith(f"shakespeare: {path} fails its sha256 check")
     assert line.endswith("rebuilding the prepared data from its sources")
@@ -150,7 +150,7 @@ def test_a_truncated_token_file_is_detected_and_rebuilt(
     with pytest.raises(InvalidCache, match=f"^{re.escape(message)}$"):
         verify_prepared(out, shakespeare.meta["fingerprint"])
     assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
-    assert np.array_equal(prepare(cfg, verbose=False).tokens("val"), shakespeare.tokens("val"))
+    assert np.array_equal(prepare_data(cfg, verbose=False).tokens("val"), shakespeare.tokens("val"))
     assert f"shakespeare: {message}; rebuilding" in capsys.readouterr().err
 
 
@@ -181,11 +181,11 @@ def test_a_big_verification_is_announced(
     cfg, out = own_copy(shakespeare, tmp_path)
     fail_builds(monkeypatch)
     reuse = f"shakespeare: reusing prepared data in {out} (verified in "
-    prepare(cfg)  # 3.6 MB: verified without a word (0.0 GB when announced, below)
+    prepare_data(cfg)  # 3.6 MB: verified without a word (0.0 GB when announced, below)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith(reuse)
     monkeypatch.setattr(data.cache, "ANNOUNCE_BYTES", 3_000_000)
-    prepare(cfg)
+    prepare_data(cfg)
     first, second = capsys.readouterr().out.splitlines()
     assert first == (
         f"shakespeare: verifying the sha256 of 0.0 GB of prepared data in {out} "
@@ -197,7 +197,7 @@ def test_a_big_verification_is_announced(
 KILLER = """
 import os, signal, sys
 import data.pipeline
-from data import prepare
+from data import prepare_data
 
 real, calls = data.pipeline.write_split, []
 
@@ -209,7 +209,7 @@ def write_then_die(*args, **kwargs):
     return stats
 
 data.pipeline.write_split = write_then_die
-prepare({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
+prepare_data({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
 """
 
 
@@ -226,7 +226,7 @@ def test_killed_preparation_is_never_used(
     assert list(out.glob("*.tmp")), "the kill should have left a temporary file behind"
     assert not (out / "meta.json").exists()
     assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
-    rebuilt = prepare({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)
+    rebuilt = prepare_data({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)
     for split in ("train", "val"):
         assert np.array_equal(rebuilt.tokens(split), shakespeare.tokens(split))
 
@@ -241,7 +241,7 @@ def test_failure_mid_write_leaves_no_token_file(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(data.pipeline, "write_split", write_then_fail)
     cfg = {"name": "shakespeare", "cache_dir": str(tmp_path)}
     with pytest.raises(OSError, match="disk full"):
-        prepare(cfg, verbose=False)
+        prepare_data(cfg, verbose=False)
     (out,) = (tmp_path / "shakespeare").iterdir()
     assert list(out.iterdir()) == []
 
@@ -281,7 +281,7 @@ def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -
 
 def test_unknown_dataset_lists_known(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="known: fineweb_edu, openwebtext, shakespeare, text"):
-        prepare({"name": "nope", "cache_dir": str(tmp_path)})
+        prepare_data({"name": "nope", "cache_dir": str(tmp_path)})
 
 
 @pytest.mark.parametrize(
@@ -298,7 +298,7 @@ def test_bad_text_files(tmp_path: Path, name: str, content: bytes | None, messag
         (tmp_path / name).write_bytes(content)
     files = [str(tmp_path / name)]
     with pytest.raises(DataError, match=message):
-        prepare(text_cfg(tmp_path, train_files=files, val_files=files), verbose=False)
+        prepare_data(text_cfg(tmp_path, train_files=files, val_files=files), verbose=False)
 
 
 def test_undecodable_bytes_can_be_replaced(tmp_path: Path) -> None:
@@ -307,11 +307,11 @@ def test_undecodable_bytes_can_be_replaced(tmp_path: Path) -> None:
     cfg = text_cfg(
         tmp_path, train_files=[str(bad)], val_files=[str(bad)], encoding_errors="replace"
     )
-    text = get_tokenizer("gpt2").decode(prepare(cfg, verbose=False).tokens("train").tolist())
+    text = get_tokenizer("gpt2").decode(prepare_data(cfg, verbose=False).tokens("train").tolist())
     assert text == "<|endoftext|>ok \ufffd bad"
 
 
 def test_single_file_cannot_be_held_out(tmp_path: Path) -> None:
     (doc,) = write_docs(tmp_path, n=1)
     with pytest.raises(DataError, match="at least 2 documents"):
-        prepare(text_cfg(tmp_path, train_files=[str(doc)]), verbose=False)
+        prepare_data(text_cfg(tmp_path, train_files=[str(doc)]), verbose=False)

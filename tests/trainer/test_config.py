@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from model import GPTConfig
 from tests.trainer.helpers import CONFIGS, ROOT, compose_run
-from trainer.config import ConfigError, RunConfig
+from trainer.config import ConfigError, OptimSettings, RunConfig
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,19 @@ def test_every_experiment_composes_into_a_valid_run(name):
     default, _ = full_run()
     assert settings.train != default.train
     GPTConfig.from_dict({**resolved["model"], "vocab_size": 50257})  # the model config is valid
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_the_settings_default_to_what_the_yaml_says(optim):
+    """The defaults are written once, in configs/: building settings in code (no Hydra) gives
+    `python train.py`'s run. Only train.yaml's own optim.warmup_steps overrides the group."""
+    settings, resolved = full_run(f"optim={optim}")
+    built = RunConfig(model=resolved["model"], data=resolved["data"])
+    assert built.train == settings.train and built.wandb == settings.wandb
+    assert built.parallel == settings.parallel
+    assert (built.seed, built.device, built.dtype, built.compile) == (
+        settings.seed, settings.device, settings.dtype, settings.compile
+    )  # fmt: skip
+    named = OptimSettings(name=optim, warmup_steps=settings.optim.warmup_steps)
+    assert named == settings.optim
+    assert built.train.batch_size == 8 and built.train.max_steps == 250  # configs/train.yaml

@@ -1,0 +1,141 @@
+"""Imports run one way, down the floors of docs/architecture.md, and no loop joins packages.
+
+A module may import its own package and the packages on lower floors, never one on its own
+floor or above: model/ and data/ stand side by side and do not import each other. The entry
+points (train.py, sample.py, evaluate.py) and benchmarks/ stand on top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {
+    "base": 0,  # errors and config checks: imports nothing of ours
+    "model": 1,
+    "data": 1,
+    "core": 2,  # checkpoints, devices and precision
+    "inference": 3,
+    "trainer": 4,
+    "entry": 5,  # train.py, sample.py, evaluate.py, benchmarks/
+}
+TOP = "entry"
+
+
+def package_of(path: Path) -> str:
+    """The package a source file belongs to (path relative to ROOT)."""
+    return path.parts[0] if len(path.parts) > 1 and path.parts[0] != "benchmarks" else TOP
+
+
+def imported_packages(source: str) -> set[str]:
+    """The top-level names of every absolute import in `source`, wherever it stands (lazy
+    imports inside functions included)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def upward_imports(modules: dict[str, str]) -> list[str]:
+    """One line per import of a package on the importer's floor or above, for `modules`
+    {path relative to ROOT: source}. Our packages are FLOORS' keys; other names are libraries."""
+    problems = []
+    for path, source in sorted(modules.items()):
+        package = package_of(Path(path))
+        if package not in FLOORS:
+            problems.append(f"{path}: package {package}/ has no floor; add it to FLOORS")
+            continue
+        for imported in sorted(imported_packages(source) & FLOORS.keys() - {package}):
+            if FLOORS[imported] >= FLOORS[package]:
+                problems.append(f"{path} ({package}) imports {imported}, a floor not below it")
+    return problems
+
+
+def package_cycle(modules: dict[str, str]) -> list[str]:
+    """A loop of packages importing each other (as [a, b, ..., a]), or [] if there is none."""
+    edges: dict[str, set[str]] = {}
+    for path, source in modules.items():
+        package = package_of(Path(path))
+        ours = {name for name in imported_packages(source) if name in FLOORS or name == package}
+        edges.setdefault(package, set()).update(ours - {package})
+
+    def visit(node: str, trail: list[str]) -> list[str]:
+        if node in trail:
+            return [*trail[trail.index(node) :], node]
+        for nxt in sorted(edges.get(node, ())):
+            if cycle := visit(nxt, [*trail, node]):
+                return cycle
+        return []
+
+    for start in sorted(edges):
+        if cycle := visit(start, []):
+            return cycle
+    return []
+
+
+def project_modules() -> dict[str, str]:
+    files = list(ROOT.glob("*.py"))
+    for package in [*FLOORS, "benchmarks"]:
+        files += (ROOT / package).rglob("*.py") if (ROOT / package).is_dir() else []
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert packages <= FLOORS.keys(), f"packages without a floor: {packages - FLOORS.keys()}"
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files}
+
+
+def test_no_module_imports_from_its_floor_or_above():
+    modules = project_modules()
+    assert len(modules) > 40  # the walk found the project, not an empty directory
+    assert upward_imports(modules) == []
+
+
+def test_no_loop_between_packages():
+    assert package_cycle(project_modules()) == []
+
+
+@pytest.mark.parametrize(
+    "path, source",
+    [
+        ("model/gpt.py", "from trainer.loop import Trainer"),  # far up
+        ("inference/generate.py", "import trainer.optim"),  # one floor up
+        ("data/pipeline.py", "def f():\n    from model import GPT\n"),  # same floor, lazily
+        ("core/checkpoint.py", "from inference import generate"),
+        ("base/errors.py", "from core.device import resolve_device"),
+    ],
+)
+def test_an_upward_import_is_reported(path, source):
+    """Negative control: the checker sees each kind of violation."""
+    assert len(upward_imports({path: source})) == 1
+
+
+def test_downward_and_own_package_imports_are_allowed():
+    """Positive control: the checker does not flag what the floors allow."""
+    modules = {
+        "train.py": "from trainer.loop import Trainer\nfrom base.errors import user_errors",
+        "trainer/loop.py": "from inference.generate import generate\nfrom trainer import optim",
+        "core/checkpoint.py": "from model import GPT\nfrom data.tokenizer import TOKENIZER_FILE",
+        "model/gpt.py": "import torch\nfrom base.checks import check\nfrom model.rope import x",
+    }
+    assert upward_imports(modules) == []
+
+
+def test_a_loop_between_packages_is_reported():
+    """Negative control: inference -> trainer -> inference, as before core/ existed."""
+    modules = {
+        "inference/cli.py": "from trainer.checkpoint import load_checkpoint",
+        "trainer/loop.py": "from inference.generate import generate",
+        "core/device.py": "from model import GPT",
+    }
+    assert package_cycle(modules) == ["inference", "trainer", "inference"]
+    assert package_cycle({k: v for k, v in modules.items() if k != "inference/cli.py"}) == []
+
+
+def test_a_package_without_a_floor_is_reported():
+    assert upward_imports({"plugins/x.py": "import torch"}) == [
+        "plugins/x.py: package plugins/ has no floor; add it to FLOORS"
+    ]
