@@ -6,10 +6,9 @@ the instants worth a crash with `fault_point("<writer>.<stage>")`, and a test se
 
     CAUSALGPT_FAULT=<point>:<n>        e.g. CAUSALGPT_FAULT=checkpoint.swap:2
 
-to make the process kill itself with SIGKILL the n-th time it reaches <point>. A point's prefix
-up to a dot counts every point under it: `checkpoint:5` is the 5th checkpoint stage reached,
-whichever it is. Before dying the process writes `fault: SIGKILL at <point> (<spec>)` to stderr,
-so the test knows where it died. Unset (always, outside tests), a fault point does nothing.
+to make the process kill itself with SIGKILL the n-th time it reaches <point>. Before dying it
+writes `fault: SIGKILL at <point> (<spec>)` to stderr, so that the test knows where it died.
+Unset (always, outside tests), a fault point does nothing.
 
 The points (each writer's docstring says what is on disk at each):
     checkpoint.partial   core/checkpoint.py: some of a checkpoint's files written, no manifest
@@ -29,7 +28,7 @@ import signal
 from collections import Counter
 
 ENV = "CAUSALGPT_FAULT"
-_reached: Counter[str] = Counter()  # how often this process reached the armed point
+_reached: Counter[str] = Counter()  # arrivals at the armed point in this process
 
 
 def fault_point(name: str) -> None:
@@ -40,7 +39,7 @@ def fault_point(name: str) -> None:
     point, _, n = spec.rpartition(":")
     if not point or not n.isdigit():
         raise ValueError(f"{ENV}={spec!r}: expected <point>:<n>, e.g. checkpoint.swap:2")
-    if name != point and not name.startswith(f"{point}."):
+    if name != point:
         return
     _reached[point] += 1
     if _reached[point] == int(n):
