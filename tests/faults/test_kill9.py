@@ -26,7 +26,7 @@ import pytest
 
 from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
 from data.faults import ENV as FAULT_ENV
-from tests.trainer.helpers import TINY
+from tests.trainer.helpers import HANG_SECONDS, TINY
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,9 +47,6 @@ MAX_RANDOM_DELAY = 1.5  # seconds after the start: start-up, resume, training an
 # it ends by itself (exit 0, a clear failure) instead of training forever. With ckpt_interval <=
 # 3 and eval_interval 2 the 3rd arrival at any stage comes by step 12 of the process.
 FAULT_STEPS = 30
-# Guards against a hung train.py, never expected to fire: a healthy process here ends within
-# seconds, even on a loaded 2-core machine; this only turns a hang into a failure.
-HANG_SECONDS = 600
 STEP_LINE = re.compile(r"^step (\d+) \|", re.MULTILINE)  # training and evaluation lines
 BEST_LINE = re.compile(r"^step (\d+) \| val loss .*\| best$", re.MULTILINE)
 RESUMED = re.compile(r"^resumed from \S+ at step (\d+)$", re.MULTILINE)
@@ -125,9 +122,9 @@ class ForkServer:
 
     def close(self) -> list[int]:
         """End the server, which kills and reaps every child not waited for (and a child of a
-        server that died is killed by the kernel). Returns the children still alive after 10
-        s: none, unless that machinery is broken. (Both waits end at an event, the server's
-        exit and the children's; the limits only bound a broken server.)"""
+        server that died is killed by the kernel). Returns the children still alive: none,
+        unless that machinery is broken. (Both waits end at an event, the server's exit and
+        its children's; HANG_SECONDS only bounds a broken server.)"""
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=HANG_SECONDS)
@@ -135,7 +132,7 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_SECONDS
         while (alive := [pid for pid in self.started if is_child_alive(pid)]) and (
             time.monotonic() < deadline
         ):
