@@ -50,9 +50,9 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=None) -> None:
     """The negative control's checkpoint writer, in place of core.checkpoint's: the same
-    files (fsynced, manifest last) and the same fault points where they apply, but written
-    straight into `path` after deleting the checkpoint there, with no temporary directory and
-    no rename. A kill mid-write (at checkpoint.partial) tears it."""
+    files (fsynced, manifest last) and the same fault point after the first file
+    (checkpoint.partial), but written straight into `path` after deleting the checkpoint there,
+    with no temporary directory and no rename. A kill mid-write tears it."""
     ckpt = core.checkpoint
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
@@ -75,7 +75,6 @@ def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=
     for name in [*files, ckpt.MANIFEST_FILE]:
         with open(path / name, "rb") as f:
             os.fsync(f.fileno())
-    fault_point("checkpoint.complete")
 
 
 def child(server: int, request: dict) -> None:

@@ -74,7 +74,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path, corpus):
             lines.append(line)
             if line.startswith("step 3 "):
                 break
-        assert lines[-1:] and lines[-1].startswith("step 3 "), "".join(lines) + proc.stderr.read()
+        assert lines and lines[-1].startswith("step 3 "), "".join(lines) + proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate()
     finally:
