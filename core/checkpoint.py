@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data import PreparedData
+from data.faults import fault_point
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
@@ -179,6 +180,7 @@ def _write_checkpoint(
     try:
         with _os_errors(tmp / MODEL_FILE):
             save_file(model_state(model), str(tmp / MODEL_FILE))
+        fault_point("checkpoint.partial")  # tests only (data/faults.py): kill -9 here
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         files = [MODEL_FILE, CONFIG_FILE]
@@ -198,6 +200,7 @@ def _write_checkpoint(
         for name in [*files, MANIFEST_FILE]:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
+        fault_point("checkpoint.complete")
         # Swap: move the old checkpoint aside, rename the new one in, then delete the old one.
         # At every instant either `path` or `old` holds a complete checkpoint.
         old = path.parent / f".{path.name}.old"
@@ -205,8 +208,10 @@ def _write_checkpoint(
             shutil.rmtree(old)
         if path.exists():
             os.replace(path, old)
+            fault_point("checkpoint.swap")
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        fault_point("checkpoint.replaced")
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from data.faults import fault_point
+
 # Bump when the token file layout or what meta.json must record changes, to invalidate old
 # caches. 2: meta.json records each token file's sha256.
 FORMAT_VERSION = 2
@@ -148,6 +150,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        fault_point("data.file")  # tests only (data/faults.py): kill -9 here
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
 from data.cache import InvalidCache, read_valid_meta, sha256_file, verify_prepared
+from data.faults import ENV as FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,36 +195,32 @@ def test_a_big_verification_is_announced(
     assert second.startswith(reuse)
 
 
-KILLER = """
-import os, signal, sys
-import data.pipeline
+PREPARE = """
+import sys
 from data import prepare_data
-
-real, calls = data.pipeline.write_split, []
-
-def write_then_die(*args, **kwargs):
-    stats = real(*args, **kwargs)
-    calls.append(1)
-    if len(calls) == int(sys.argv[2]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return stats
-
-data.pipeline.write_split = write_then_die
 prepare_data({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("die_after_split", [1, 2])
+@pytest.mark.parametrize("killed_in", ["train.bin", "val.bin", "meta.json"])
 def test_killed_preparation_is_never_used(
-    shakespeare: PreparedData, tmp_path: Path, die_after_split: int
+    shakespeare: PreparedData, tmp_path: Path, killed_in: str
 ) -> None:
+    """SIGKILL at an exact point (data/faults.py): each file of the preparation written under
+    its temporary name, before its rename."""
+    n = ["train.bin", "val.bin", "meta.json"].index(killed_in) + 1
     proc = subprocess.run(
-        [sys.executable, "-c", KILLER, str(tmp_path), str(die_after_split)], cwd=ROOT
+        [sys.executable, "-c", PREPARE, str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, FAULT_ENV: f"data.file:{n}"},
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == -9
+    assert proc.stderr.endswith(f"fault: SIGKILL at data.file (data.file:{n})\n")
     out = tmp_path / "shakespeare" / shakespeare.dir.name
-    assert list(out.glob("*.tmp")), "the kill should have left a temporary file behind"
+    assert [p.name.rsplit(".", 2)[0] for p in out.glob("*.tmp")] == [killed_in]  # <name>.<pid>.tmp
     assert not (out / "meta.json").exists()
     assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
     rebuilt = prepare_data({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)

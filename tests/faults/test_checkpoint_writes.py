@@ -21,7 +21,7 @@ import core.checkpoint as checkpoint
 from core.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import ROOT, TINY, make_trainer, run_script
+from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer, run_script
 
 ENOSPC = os.strerror(errno.ENOSPC)  # "No space left on device"
 
@@ -191,7 +191,7 @@ def test_train_py_on_a_full_disk_stops_with_one_line_and_the_last_checkpoint(tmp
         env={**os.environ, "WANDB_MODE": "disabled"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_SECONDS,
     )
     last = run_dir / "checkpoints" / "last"
     assert result.returncode == 1, result.stderr

@@ -1,9 +1,12 @@
-"""kill -9 at seeded random instants, many of them during checkpoint writes: every restart with
-train.resume=auto succeeds, every checkpoint on disk verifies, and no more work is lost than
-the steps since the last checkpoint written before the kill.
+"""kill -9 inside every stage of a checkpoint write, at exact points (CAUSALGPT_FAULT, see
+data/faults.py), and at seeded random instants: every restart with train.resume=auto succeeds,
+every checkpoint on disk verifies, and no more work is lost than the steps since the last
+checkpoint written before the kill.
 
-A negative control makes the same kills and checks against a checkpoint writer that is not
-atomic (it writes in place: no temporary directory, no rename), and they must catch it."""
+A negative control makes exact kills into a checkpoint writer that is not atomic (it writes in
+place: no temporary directory, no rename), and the same checks must catch every one of them.
+No kill's place depends on the clock where an assertion depends on it: the random instants
+only add coverage (start-up, resume, training, evaluation), and anything is valid there."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
-from tests.trainer.helpers import TINY, make_trainer
+from data.faults import ENV as FAULT_ENV
+from tests.trainer.helpers import HANG_SECONDS, TINY
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,9 +35,18 @@ pytestmark = [
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 SEED = 20240917
-KILLS = 20
-CONTROL_KILLS = 8  # at most: the control stops at the first kill its checks catch
-MAX_STARTUP_DELAY = 1.5  # seconds: the range of the random (untargeted) kill instants
+# The stages of core.checkpoint's write (data/faults.py says what each leaves on disk), each hit
+# at its 1st, 2nd and 3rd arrival in a process: a `last` or a `best` write, first or not.
+STAGES = ("partial", "complete", "swap", "replaced")
+FAULTS = [f"checkpoint.{stage}:{n}" for n in (1, 2, 3) for stage in STAGES]
+# The negative control: an in-place writer killed mid-write (its only torn stage), in a fresh
+# run directory each time, at each of its first three writes with each checkpoint interval.
+CONTROL = [(f"checkpoint.partial:{n}", interval) for n in (1, 2, 3) for interval in (1, 2, 3)]
+MAX_RANDOM_DELAY = 1.5  # seconds after the start: start-up, resume, training and writes
+# A process aimed at a fault point trains at most this many steps: if it never reaches the point
+# it ends by itself (exit 0, a clear failure) instead of training forever. With ckpt_interval <=
+# 3 and eval_interval 2 the 3rd arrival at any stage comes by step 12 of the process.
+FAULT_STEPS = 30
 STEP_LINE = re.compile(r"^step (\d+) \|", re.MULTILINE)  # training and evaluation lines
 BEST_LINE = re.compile(r"^step (\d+) \| val loss .*\| best$", re.MULTILINE)
 RESUMED = re.compile(r"^resumed from \S+ at step (\d+)$", re.MULTILINE)
@@ -81,33 +94,45 @@ class ForkServer:
         assert line, f"the fork server died (exit code {self.proc.poll()})"
         return json.loads(line)
 
-    def train(self, args: list[str], out: Path, writer: str = "atomic") -> int:
+    def train(
+        self, args: list[str], out: Path, writer: str = "atomic", fault: str | None = None
+    ) -> int:
         """Start `train.py <args>` writing to out.stdout / out.stderr; returns its pid.
-        writer="in_place": the negative control's checkpoint writer (see zygote.py)."""
+        writer="in_place": the negative control's checkpoint writer (see zygote.py); fault: a
+        CAUSALGPT_FAULT spec, where the process kills itself (data/faults.py)."""
         request = {"run": args, "stdout": f"{out}.stdout", "stderr": f"{out}.stderr"}
         if writer != "atomic":
             request["writer"] = writer
+        if fault is not None:
+            request["env"] = {FAULT_ENV: fault}
         pid = self._ask(request)["pid"]
         self.started.append(pid)
         self.unwaited.add(pid)
         return pid
 
     def wait(self, pid: int) -> int:
+        """Its exit code (-9: SIGKILL). A process still running after HANG_SECONDS is killed."""
         self.unwaited.discard(pid)
-        return self._ask({"wait": pid})["returncode"]
+        watchdog = threading.Timer(HANG_SECONDS, os.kill, (pid, signal.SIGKILL))
+        watchdog.start()
+        try:
+            return self._ask({"wait": pid})["returncode"]
+        finally:
+            watchdog.cancel()
 
     def close(self) -> list[int]:
         """End the server, which kills and reaps every child not waited for (and a child of a
-        server that died is killed by the kernel). Returns the children still alive after 10
-        s: none, unless that machinery is broken."""
+        server that died is killed by the kernel). Returns the children still alive: none,
+        unless that machinery is broken. (Both waits end at an event, the server's exit and
+        its children's; HANG_SECONDS only bounds a broken server.)"""
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=HANG_SECONDS)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_SECONDS
         while (alive := [pid for pid in self.started if is_child_alive(pid)]) and (
             time.monotonic() < deadline
         ):
@@ -142,20 +167,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
     finally:
         leaked = server.close()
     assert not leaked, f"train.py processes outlived the test: {leaked}"
-
-
-@pytest.fixture(scope="module")
-def write_seconds(tmp_path_factory: pytest.TempPathFactory, corpus: list[str]) -> float:
-    """How long one `last` checkpoint of these runs takes to write here (the median of three),
-    to aim kills into writes; also prepares the data once, so that kills land in training."""
-    trainer = make_trainer(tmp_path_factory.mktemp("calibration"), corpus, *OVERRIDES)
-    trainer.train_step()  # the optimizer state is created by its first step
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        trainer.save("last")
-        times.append(time.perf_counter() - start)
-    return sorted(times)[1]
 
 
 def staging(ckpt_dir: Path) -> set[str]:
@@ -231,131 +242,117 @@ def read(path: Path) -> str:
         return ""
 
 
-def kill_at(server: ForkServer, pid: int, out: Path, target_step: int | None, delay: float) -> None:
-    """SIGKILL `pid` `delay` seconds after it printed `target_step` (None: after its start)."""
-    if target_step is not None:
-        line = re.compile(rf"^step {target_step} \|", re.MULTILINE)
-        stdout, deadline = Path(f"{out}.stdout"), time.monotonic() + 60
-        while not line.search(read(stdout)):
-            if proc_state(pid) in (None, "Z", "X") or time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                server.wait(pid)
-                pytest.fail(
-                    f"train.py {'ended' if time.monotonic() < deadline else 'stalled'} before "
-                    f"step {target_step}:\n{read(stdout)[-2000:]}\n{read(Path(f'{out}.stderr'))}"
-                )
-            time.sleep(0.001)
-    time.sleep(delay)
-    os.kill(pid, signal.SIGKILL)
-
-
-def kill_cycles(
+def run_killed(
     server: ForkServer,
-    run_dir: Path,
+    out: Path,
     args: list[str],
-    rng: random.Random,
-    kills: int,
-    write_seconds: float,
+    fault: str | None = None,
+    delay: float = 0.0,
     writer: str = "atomic",
-    targeted_only: bool = False,
-) -> Iterator[tuple[str, Checkpoints, bool, set[str]]]:
-    """Start train.py and kill it, `kills` times. Even cycles (all cycles if targeted_only):
-    `delay` after the n-th checkpoint of this process (n random in 1..3), `delay` random within
-    about two writes (an evaluation's `best` and the `last` after it), so many kills land in
-    writes. Odd cycles: a random instant after the start (start-up, resume, training,
-    evaluation or a write). Checks each kill (check_kill); yields (a description of the kill and
-    what it printed, the checkpoints after it, whether it trained, the staging dirs it left)."""
-    ckpt_dir = run_dir / "checkpoints"
-    before: Checkpoints = {}
-    for cycle in range(kills):
-        interval = rng.randint(1, 3)
-        out = run_dir.parent / f"{run_dir.name}-{cycle}"
-        debris = staging(ckpt_dir)
-        if targeted_only or cycle % 2 == 0:
-            n, delay = rng.randint(1, 3), rng.uniform(0.0, 2 * write_seconds)
-            target = (step_of(before, "last") // interval + n) * interval
-            when = f"{delay * 1000:.0f} ms after step {target} (checkpoint {n} of the process)"
-        else:
-            target, delay = None, rng.uniform(0.0, MAX_STARTUP_DELAY)
-            when = f"at {delay:.2f}s"
-        pid = server.train([*args, f"train.ckpt_interval={interval}"], out, writer)
-        kill_at(server, pid, out, target, delay)
-        returncode = server.wait(pid)
-        stdout, stderr = read(Path(f"{out}.stdout")), read(Path(f"{out}.stderr"))
-        context = (
-            f"cycle {cycle} (ckpt_interval={interval}), kill {when}, left {staging(ckpt_dir)}:"
-            f"\n{stdout[-2000:]}\n{stderr[-3000:]}"
+) -> tuple[str, str]:
+    """Run train.py until it dies by SIGKILL: at `fault` (it kills itself there), or else
+    `delay` seconds after its start. Returns what it printed on stdout and stderr."""
+    pid = server.train(args, out, writer, fault)
+    if fault is None:
+        # The clock only picks where this kill lands; every instant is a valid place for a kill
+        # and no assertion depends on which one it is (max_steps=100000: it is still running).
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+    returncode = server.wait(pid)
+    stdout, stderr = read(Path(f"{out}.stdout")), read(Path(f"{out}.stderr"))
+    context = f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert returncode == -signal.SIGKILL, f"exit code {returncode}:\n{context}"
+    if fault is not None:
+        point = fault.rsplit(":", 1)[0]
+        assert f"fault: SIGKILL at {point} ({fault})" in stderr, (
+            f"not killed at {fault}:\n{context}"
         )
-        assert returncode == -signal.SIGKILL, f"exit code {returncode}, {context}"
-        try:
-            before, trained = check_kill(ckpt_dir, before, stdout, interval)
-        except (AssertionError, CheckpointError) as e:
-            raise AssertionError(f"{e}\n{context}") from e
-        yield context, before, trained, staging(ckpt_dir) - debris
+    return stdout, stderr
 
 
-def test_kill_9_at_random_instants_loses_at_most_the_steps_since_the_last_checkpoint(
-    tmp_path, corpus, server, write_seconds
+def interrupted(ckpt_dir: Path, stage: str, left: set[str]) -> bool:
+    """Whether the checkpoint directory shows a write cut short at `stage` (`left`: the
+    staging directories that appeared during the kill)."""
+    if stage in ("partial", "complete"):  # a new temporary directory, not yet renamed
+        return any(".tmp-" in name for name in left)
+    # swap: the previous checkpoint moved aside, nothing in its place; replaced: both.
+    return any(
+        (ckpt_dir / f".{name}.old").is_dir() and (ckpt_dir / name).is_dir() == (stage == "replaced")
+        for name in ("last", "best")
+    )
+
+
+def test_kill_9_inside_checkpoint_writes_loses_at_most_the_steps_since_the_last_checkpoint(
+    tmp_path, corpus, server
 ):
     run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
     args = [*TINY, *corpus, *OVERRIDES, f"hydra.run.dir={run_dir}"]
-    cycles = list(kill_cycles(server, run_dir, args, random.Random(SEED), KILLS, write_seconds))
-    ckpts = cycles[-1][1]
-    interrupted = [left for _, _, _, left in cycles if left]  # kills that cut a write short
-    trained = sum(t for _, _, t, _ in cycles)
+    rng = random.Random(SEED)
+    # Each exact kill followed by one at a random instant (the first, exact, prepares the data).
+    kills = [kill for fault in FAULTS for kill in (fault, None)]
+    ckpts: Checkpoints = {}
+    random_in_writes = 0
+    for cycle, fault in enumerate(kills):
+        interval = rng.randint(1, 3)
+        cycle_args = [*args, f"train.ckpt_interval={interval}"]
+        delay = rng.uniform(0.0, MAX_RANDOM_DELAY)
+        if fault is not None:  # ends by itself if the point is never reached
+            cycle_args.append(f"train.max_steps={step_of(ckpts, 'last') + FAULT_STEPS}")
+        debris = staging(ckpt_dir)
+        where = f"at {fault}" if fault else f"{delay:.2f}s after the start"
+        out = tmp_path / f"cycle-{cycle}"
+        stdout, stderr = run_killed(server, out, cycle_args, fault, delay)
+        left = staging(ckpt_dir) - debris
+        context = (
+            f"cycle {cycle} (ckpt_interval={interval}), killed {where}, left {left}:"
+            f"\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        )
+        if fault is not None:
+            stage = fault.split(".")[1].split(":")[0]
+            assert interrupted(ckpt_dir, stage, left), f"no write cut short at {stage}; {context}"
+        try:
+            ckpts, trained = check_kill(ckpt_dir, ckpts, stdout, interval)
+        except (AssertionError, CheckpointError) as e:
+            raise AssertionError(f"{e}\n{context}") from e
+        assert trained or fault is None, f"a kill in a write before any step; {context}"
+        random_in_writes += fault is None and bool(left)
 
     # The last restart runs to the end.
     final_step = step_of(ckpts, "last") + 2
     out = tmp_path / "final"
     pid = server.train([*args, "train.ckpt_interval=1", f"train.max_steps={final_step}"], out)
-    watchdog = threading.Timer(120, os.kill, (pid, signal.SIGKILL))  # never hang the suite
-    watchdog.start()
-    try:
-        returncode = server.wait(pid)
-    finally:
-        watchdog.cancel()
+    returncode = server.wait(pid)
     stdout, stderr = read(Path(f"{out}.stdout")), read(Path(f"{out}.stderr"))
     assert returncode == 0, stdout[-2000:] + stderr
     assert int(RESUMED.findall(stdout)[0]) == step_of(ckpts, "last")
     assert json.loads(stdout.strip().splitlines()[-1])["step"] == final_step
-    assert step_of(checkpoints(run_dir / "checkpoints"), "last") == final_step
+    assert step_of(checkpoints(ckpt_dir), "last") == final_step
     assert not server.unwaited
-
     print(
-        f"\n{len(interrupted)} of {KILLS} kills interrupted a checkpoint write "
-        f"({sum(any('.tmp-' in n for n in left) for left in interrupted)} with its temporary "
-        f"directory, {sum(any(n.endswith('.old') for n in left) for left in interrupted)} "
-        f"in a swap); {trained} restarts trained; final step {final_step}; "
-        f"one write takes {write_seconds * 1000:.0f} ms"
+        f"\n{len(FAULTS)} exact kills, each inside a checkpoint write; {random_in_writes} of "
+        f"{len(FAULTS)} random instants also landed in one; final step {final_step}"
     )
-    # Not a test of nothing: kills do land in writes (7 to 12 of the 20 in trial runs).
-    assert trained >= KILLS // 2
-    assert len(interrupted) >= 3, f"only {len(interrupted)} kills landed in a checkpoint write"
 
 
-def test_negative_control_the_same_kills_catch_a_writer_that_is_not_atomic(
-    tmp_path, corpus, server, write_seconds
+def test_negative_control_the_same_checks_catch_every_kill_into_a_writer_that_is_not_atomic(
+    tmp_path, corpus, server
 ):
-    run_dir = tmp_path / "run"
-    args = [*TINY, *corpus, *OVERRIDES, f"hydra.run.dir={run_dir}"]
-    cycles = kill_cycles(
-        server,
-        run_dir,
-        args,
-        random.Random(SEED),
-        CONTROL_KILLS,
-        write_seconds,
-        writer="in_place",
-        targeted_only=True,
-    )
-    caught = None
-    try:
-        for _ in cycles:
-            pass
-    except AssertionError as e:
-        caught = str(e)
-    finally:
-        cycles.close()
+    caught, missed = [], []
+    for fault, interval in CONTROL:
+        run_dir = tmp_path / f"run-{fault.replace(':', '-')}-{interval}"  # one verdict per kill
+        args = [*TINY, *corpus, *OVERRIDES, f"hydra.run.dir={run_dir}"]
+        args += [f"train.ckpt_interval={interval}", f"train.max_steps={FAULT_STEPS}"]
+        out = run_dir.parent / f"{run_dir.name}-out"
+        stdout, _ = run_killed(server, out, args, fault, writer="in_place")
+        try:
+            check_kill(run_dir / "checkpoints", {}, stdout, interval)
+        except (AssertionError, CheckpointError) as e:
+            caught.append(f"{fault}, ckpt_interval={interval}: {str(e).splitlines()[0]}")
+        else:
+            missed.append(f"{fault}, ckpt_interval={interval}")
     assert not server.unwaited
-    assert caught is not None, f"{CONTROL_KILLS} kills into in-place writes went unnoticed"
-    print(f"\ncaught: {caught.splitlines()[0]}")
+    assert not missed, (
+        f"{len(missed)} of {len(CONTROL)} kills into in-place writes went unnoticed: {missed}"
+    )
+    print("\ncaught:\n" + "\n".join(caught))

@@ -9,7 +9,8 @@ MFU figure: see `child`).
 
 Protocol, one JSON object per line:
     stdin  {"run": [args], "stdout": path, "stderr": path}   stdout  {"pid": pid}
-           (optional "writer": "in_place": see `write_in_place`)
+           (optional: "env": {name: value} set in the child, e.g. CAUSALGPT_FAULT (see
+           data/faults.py); "writer": "in_place", see `write_in_place`)
     stdin  {"wait": pid}                                     stdout  {"returncode": code}
 where code is the exit status, or -N for a child ended by signal N (as subprocess reports it).
 
@@ -42,18 +43,21 @@ from safetensors.torch import save_file  # noqa: E402
 import core.checkpoint  # noqa: E402
 import trainer.cli  # noqa: E402, F401
 import trainer.loop  # noqa: E402
+from data.faults import fault_point  # noqa: E402
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=None) -> None:
     """The negative control's checkpoint writer, in place of core.checkpoint's: the same
-    files (fsynced, manifest last), but written straight into `path` after deleting the
-    checkpoint there, with no temporary directory and no rename. A kill mid-write tears it."""
+    files (fsynced, manifest last) and the same fault point after the first file
+    (checkpoint.partial), but written straight into `path` after deleting the checkpoint there,
+    with no temporary directory and no rename. A kill mid-write tears it."""
     ckpt = core.checkpoint
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     save_file(ckpt.model_state(model), str(path / ckpt.MODEL_FILE))
+    fault_point("checkpoint.partial")
     config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
     (path / ckpt.CONFIG_FILE).write_text(json.dumps(config, indent=2))
     files = [ckpt.MODEL_FILE, ckpt.CONFIG_FILE]
@@ -88,6 +92,7 @@ def child(server: int, request: dict) -> None:
         # The one change to train.py: no CPU matmul benchmark for the MFU figure, which would
         # cost every one of these short-lived processes a second of its few.
         trainer.loop.peak_flops = lambda precision: (None, "nothing (MFU off in this test)")
+        os.environ.update(request.get("env", {}))
         if request.get("writer") == "in_place":
             core.checkpoint._write_checkpoint = write_in_place
         sys.argv = [TRAIN, *request["run"]]

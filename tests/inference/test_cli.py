@@ -13,6 +13,7 @@ import torch
 
 from core.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
 from inference.cli import main, run
+from tests.trainer.helpers import HANG_SECONDS
 
 SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
 
@@ -25,7 +26,7 @@ def sample_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         env={**os.environ, "PYTHONWARNINGS": "default"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_SECONDS,
     )
 
 

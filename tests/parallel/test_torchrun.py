@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 from core.checkpoint import load_checkpoint
 from tests.parallel.worker import PROBE
-from tests.trainer.helpers import ROOT, TINY, make_trainer
+from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ RUN = [
 
 
 def torchrun(
-    script: Path, *args: str, cwd: Path, timeout: float = 90
+    script: Path, *args: str, cwd: Path, timeout: float = HANG_SECONDS
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=2 script args`, one thread per rank. On timeout
     the whole process group goes (the workers too, not only torchrun) and the test fails."""
@@ -75,13 +74,15 @@ def ddp_run(tmp_path_factory, corpus) -> tuple[Path, subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def died_run(tmp_path_factory, corpus) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """The same run, but rank 1 dies as step 3 begins (the last checkpoint is step 2's).
-    Returns the run dir, the result and the seconds torchrun took."""
+def died_run(tmp_path_factory, corpus) -> tuple[Path, subprocess.CompletedProcess]:
+    """The same run, but rank 1 dies as step 3 begins (the last checkpoint is step 2's), and a
+    collective waits up to an hour: a job that ends before the hang guard (HANG_SECONDS) ended
+    because the rank died, not because the healthy rank waited out its collective. (Measured
+    by an event, the job's end, not by the clock: a start-up slowed by load cannot fail it.)"""
     tmp = tmp_path_factory.mktemp("died")
-    start = time.monotonic()
-    result = torchrun(WORKER, str(tmp / "run"), "--die-at-step=3", *RUN, *corpus, cwd=tmp)
-    return tmp / "run", result, time.monotonic() - start
+    args = [*RUN, *corpus, "parallel.timeout_s=3600"]
+    result = torchrun(WORKER, str(tmp / "run"), "--die-at-step=3", *args, cwd=tmp)
+    return tmp / "run", result
 
 
 def log_lines(stdout: str) -> list[str]:
@@ -117,15 +118,14 @@ def test_only_rank_0_prints(ddp_run):
 
 
 def test_a_dead_rank_ends_the_job_promptly_and_keeps_the_last_checkpoint(died_run):
-    run_dir, result, seconds = died_run
+    run_dir, result = died_run  # it ended: the healthy rank did not wait out its collective
     assert result.returncode != 0
-    assert seconds < 60, seconds  # the healthy rank did not wait out a hung collective
     assert load_checkpoint(run_dir / "checkpoints" / "last").meta["step"] == 2
 
 
 def test_ddp_resume_repeats_the_uninterrupted_run_exactly(ddp_run, died_run, tmp_path, corpus):
     straight_dir, _ = ddp_run
-    died_dir, _, _ = died_run
+    died_dir, _ = died_run
     run_dir = tmp_path / "run"
     shutil.copytree(died_dir, run_dir)  # the FSDP test resumes from the original
     args = [*RUN, *corpus, f"hydra.run.dir={run_dir}", "train.resume=auto"]
@@ -141,7 +141,7 @@ def test_fsdp_resumes_trains_like_ddp_and_saves_a_checkpoint_one_process_loads(
     ddp_run, died_run, tmp_path, corpus
 ):
     straight_dir, _ = ddp_run
-    died_dir, _, _ = died_run  # its `last` checkpoint: step 2, written by DDP
+    died_dir, _ = died_run  # its `last` checkpoint: step 2, written by DDP
     logits_file = tmp_path / "logits.pt"
     args = [*RUN, *corpus, "parallel.strategy=fsdp", f"train.resume={died_dir}"]
     result = torchrun(WORKER, str(tmp_path / "run"), f"--logits={logits_file}", *args, cwd=tmp_path)

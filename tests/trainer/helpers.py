@@ -14,6 +14,10 @@ from trainer.config import RunConfig
 from trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+# The limit on a test's wait for a process: it only turns a hang into a failure. Processes here
+# take seconds, a minute at worst on a 2-core machine loaded by other jobs; every wait ends at an
+# event (the process's exit or output), never at this limit, unless something hangs.
+HANG_SECONDS = 600
 CONFIGS = str(ROOT / "configs")
 
 TINY = [
@@ -45,7 +49,7 @@ def make_trainer(run_dir: Path, data: list[str], *overrides: str) -> Trainer:
 
 
 def run_script(
-    script: str, *args: str, cwd: Path, timeout: float = 120, **popen
+    script: str, *args: str, cwd: Path, timeout: float = HANG_SECONDS, **popen
 ) -> subprocess.CompletedProcess:
     """Run one of the entry points as a user would, from `cwd` (not the repository root)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "default"}

@@ -6,12 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
 from core.checkpoint import load_checkpoint
-from tests.trainer.helpers import ROOT, TINY, run_script
+from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, run_script
 
 
 def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path, corpus):
@@ -64,12 +64,21 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path, corpus):
         stderr=subprocess.PIPE,
         env={**__import__("os").environ, "WANDB_MODE": "disabled"},
     )
-    deadline = time.time() + 120
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("step 3 ") or time.time() > deadline:
-            break
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    # Wait on an event, the step 3 line (or the end of its output, if it dies first), not on
+    # the clock; the watchdog only turns a hang into a failure (HANG_SECONDS).
+    watchdog = threading.Timer(HANG_SECONDS, proc.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 3 "):
+                break
+        assert lines and lines[-1].startswith("step 3 "), "".join(lines) + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate()
+    finally:
+        watchdog.cancel()
     assert proc.returncode == 128 + signal.SIGTERM
     assert "Resume with: python train.py" in err and "Traceback" not in err
     step = load_checkpoint(run_dir / "checkpoints" / "last", with_trainer_state=True).meta["step"]
@@ -95,7 +104,6 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         "optim.lr=1e-3,3e-3",
         f"hydra.sweep.dir={sweep_dir}",
         cwd=tmp_path,
-        timeout=240,
     )
     assert result.returncode == 0, result.stderr
     lrs = sorted(
