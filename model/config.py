@@ -15,6 +15,19 @@ ATTENTION_IMPLS = ("manual", "sdpa", "flash")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
+# Upper bounds on the sizes, far above any model this project trains (GPT-3 has n_embd 12288,
+# 96 layers), so that a typo or a hand-edited checkpoint fails here instead of asking the
+# allocator for terabytes. block_size also sizes each layer's causal mask (block_size^2 bytes).
+MAX_SIZES = dict(
+    vocab_size=1 << 21,
+    block_size=1 << 16,
+    n_layer=1024,
+    n_head=1024,
+    n_embd=1 << 16,
+    flash_block_q=1 << 16,
+    flash_block_k=1 << 16,
+)
+MAX_MLP_RATIO = 64
 
 
 def _positive_number(value: Any) -> bool:
@@ -55,11 +68,12 @@ class GPTConfig:
     zero_init_proj: bool = False  # residual output projections start at zero (modded-nanogpt)
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-        for name in (*positive, "flash_block_q", "flash_block_k"):
+        for name, most in MAX_SIZES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+            if value > most:
+                raise ValueError(f"model.{name} must be at most {most:,}, got {value:,}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}): "
@@ -89,6 +103,8 @@ class GPTConfig:
             value = getattr(self, name)
             if not _positive_number(value):
                 raise ValueError(f"model.{name} must be a positive number, got {value!r}")
+        if (value := self.mlp_ratio) > MAX_MLP_RATIO:
+            raise ValueError(f"model.mlp_ratio must be at most {MAX_MLP_RATIO}, got {value}")
         if self.logit_softcap is not None and not _positive_number(self.logit_softcap):
             raise ValueError(
                 f"model.logit_softcap must be a positive number or null, got {self.logit_softcap!r}"
