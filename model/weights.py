@@ -127,8 +127,18 @@ def check_config_against_weights(
         ("vocab_size", config.vocab_size, wte.shape[0], "transformer.wte.weight"),
         ("n_embd", config.n_embd, wte.shape[1], "transformer.wte.weight"),
         ("n_layer", config.n_layer, max(layers, default=-1) + 1, "transformer.h.<i>"),
-        ("tie_embeddings", config.tie_embeddings, "lm_head.weight" not in tensors, "lm_head"),
-        ("pos_embedding", config.pos_embedding, "rope" if wpe is None else "learned", "wpe"),
+        (
+            "tie_embeddings",
+            config.tie_embeddings,
+            "lm_head.weight" not in tensors,
+            "lm_head.weight stored or not",
+        ),
+        (
+            "pos_embedding",
+            config.pos_embedding,
+            "rope" if wpe is None else "learned",
+            "wpe stored or not",
+        ),
     ]
     if wpe is not None and len(wpe.shape) == 2:
         claims.append(("block_size", config.block_size, wpe.shape[0], "transformer.wpe.weight"))

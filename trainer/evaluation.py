@@ -137,6 +137,11 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(raw)
     else:
+        if "data" not in ckpt.run_config:
+            raise DataError(
+                f"the checkpoint {path} does not record the dataset it was trained on "
+                "(no run.data in its config.json); evaluate with text_file=<path>"
+            )
         data = prepare(ckpt.run_config["data"], verbose=False)
         if tokenizer_fingerprint(data.tokenizer_name, data.dir) != tokenizer_fingerprint(
             ckpt.tokenizer_name, ckpt.path
