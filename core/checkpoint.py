@@ -378,6 +378,9 @@ def _checked_model_config(
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
     try:
         tensors = read_safetensors_header(path / MODEL_FILE)
+    except ValueError as e:
+        raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
+    try:
         check_config_against_weights(model_config, tensors, f"the weights in {MODEL_FILE}")
     except ValueError as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
