@@ -258,7 +258,7 @@ def _read_json(file: Path) -> Any:
         raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file} is corrupt: {e}") from None
 
 

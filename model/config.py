@@ -103,8 +103,10 @@ class GPTConfig:
             value = getattr(self, name)
             if not _positive_number(value):
                 raise ValueError(f"model.{name} must be a positive number, got {value!r}")
-        if (value := self.mlp_ratio) > MAX_MLP_RATIO:
-            raise ValueError(f"model.mlp_ratio must be at most {MAX_MLP_RATIO}, got {value}")
+        if self.mlp_ratio > MAX_MLP_RATIO:
+            raise ValueError(
+                f"model.mlp_ratio must be at most {MAX_MLP_RATIO}, got {self.mlp_ratio}"
+            )
         if self.logit_softcap is not None and not _positive_number(self.logit_softcap):
             raise ValueError(
                 f"model.logit_softcap must be a positive number or null, got {self.logit_softcap!r}"

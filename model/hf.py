@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def read_hf_config(file: Path) -> dict[str, Any]:
         raise ValueError(f"{file} has {file.stat().st_size:,} bytes: not a GPT-2 config.json")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{file} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
@@ -63,7 +64,7 @@ def read_hf_config(file: Path) -> dict[str, Any]:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{file}: {key} must be a positive integer, got {value!r}")
-    if "n_embd" in config and "n_head" in config and config["n_embd"] % config["n_head"]:
+    if config.get("n_embd") and config.get("n_head") and config["n_embd"] % config["n_head"]:
         raise ValueError(
             f"{file}: n_head={config['n_head']} does not divide n_embd={config['n_embd']}: each "
             "head gets n_embd / n_head dimensions"
@@ -161,7 +162,7 @@ def _config_from_shapes(
         if len(shapes.get(key, ())) != 2:
             raise ValueError(f"{where}: the weights have no 2-D {key}: not a GPT-2 checkpoint")
     vocab_size, n_embd = shapes["wte.weight"]
-    layers = [int(k.split(".")[1]) for k in shapes if k.startswith("h.")]
+    layers = [int(m[1]) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))]
     actual = dict(
         vocab_size=vocab_size,
         n_positions=shapes["wpe.weight"][0],

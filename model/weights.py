@@ -56,7 +56,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise ValueError(f"{path} is not a safetensors file: its header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")

@@ -270,8 +270,9 @@ def test_a_bad_config_field_is_one_error_line_naming_it(ckpt, capsys, model, sec
     assert f"{ckpt / CONFIG_FILE}: " in err and message in err
 
 
-def test_a_config_that_is_not_json_is_one_error(ckpt, capsys):
-    (ckpt / CONFIG_FILE).write_text("{'model': {}}")
+@pytest.mark.parametrize("text", ["{'model': {}}", "[" * 100_000 + "]" * 100_000])
+def test_a_config_that_is_not_json_is_one_error(ckpt, capsys, text):
+    (ckpt / CONFIG_FILE).write_text(text)  # single quotes; nesting deeper than Python recurses
     resign(ckpt)
     assert "config.json is corrupt" in sample_error(ckpt, capsys)
 
