@@ -37,11 +37,13 @@ from data import PreparedData
 from data.faults import fault_point
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
+from model.weights import check_config_against_weights, read_safetensors_header
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TRAINER_FILE = "trainer.pt"
 MANIFEST_FILE = "manifest.json"
+MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
 
 
 class CheckpointError(ValueError):
@@ -233,18 +235,27 @@ def is_complete(path: Path) -> bool:
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check the manifest (sizes and sha256) and return the parsed config.json."""
-    path = Path(path)
+    """Check the manifest (sizes and sha256) and return the parsed, checked config.json."""
+    return _verify(Path(path))[1]
+
+
+def _verify(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, config.json) of a checkpoint, after checking that every file it names is a
+    plain file inside `path` (no file is opened before all the names pass), that every file
+    the loader reads is listed, and every listed file's size and sha256."""
     recover_interrupted_swap(path)
-    manifest_path = path / MANIFEST_FILE
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}")
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST_FILE})")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupt: {e}") from None
+    manifest = _read_manifest(path)
+    for name in manifest:
+        _inside(path, name)
+    for name in (MODEL_FILE, CONFIG_FILE, TRAINER_FILE, TOKENIZER_FILE):
+        required = name in (MODEL_FILE, CONFIG_FILE)
+        if name not in manifest and (required or os.path.lexists(path / name)):
+            raise CheckpointError(
+                f"checkpoint file {path / name} is not listed in {path / MANIFEST_FILE}: "
+                "nothing unverified is read"
+            )
     for name, expected in manifest.items():
         file = path / name
         if not file.is_file():
@@ -256,7 +267,88 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             )
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
-    return json.loads((path / CONFIG_FILE).read_text())
+    return manifest, _read_config(path / CONFIG_FILE)
+
+
+def _read_json(file: Path) -> Any:
+    """A small JSON file; anything else is a CheckpointError naming it."""
+    if file.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    file = _inside(path, MANIFEST_FILE)
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST_FILE})")
+    manifest = _read_json(file)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file} is corrupt: not a JSON object")
+    for name, entry in manifest.items():
+        if not _plain_name(name):
+            raise CheckpointError(
+                f"{file} lists {name!r}, which is not a plain file name inside the checkpoint "
+                "(no separators, '..' or absolute paths): refusing to open it"
+            )
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if not (
+            isinstance(size, int)
+            and not isinstance(size, bool)
+            and size >= 0
+            and isinstance(digest, str)
+            and re.fullmatch(r"[0-9a-f]{64}", digest)
+        ):
+            raise CheckpointError(
+                f"{file} is corrupt: the entry for {name!r} is not "
+                '{"bytes": <size>, "sha256": <64 hex digits>}'
+            )
+    return manifest
+
+
+def _plain_name(name: str) -> bool:
+    """A file name that can only mean a file directly inside the checkpoint directory."""
+    return (
+        name not in ("", ".", "..")
+        and Path(name).name == name
+        and not any(c in name for c in ("/", "\\", "\0"))
+    )
+
+
+def _inside(path: Path, name: str) -> Path:
+    """path / name, refused if it is a symlink leading out of `path` (checked without opening
+    it: a name resolves through links, not through the file)."""
+    file = path / name
+    if file.is_symlink() and file.resolve().parent != path.resolve():
+        raise CheckpointError(
+            f"checkpoint file {file} is a symlink leading out of {path}: refusing to read it"
+        )
+    return file
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    """config.json: {"model": {...}, "run": {...}, "meta": {...}}, with the values the loader
+    reads from "run" and "meta" of the right type (the "model" fields: GPTConfig checks them)."""
+    config = _read_json(file)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    unknown = sorted(set(config) - {"model", "run", "meta"})
+    if unknown:
+        raise CheckpointError(f"{file}: unknown key(s) {unknown}; known: model, run, meta")
+    for key in ("model", "run", "meta"):
+        if not isinstance(config.get(key), dict):
+            raise CheckpointError(f"{file}: {key} must be a JSON object, got {config.get(key)!r}")
+    data = config["run"].get("data")
+    if data is not None and not isinstance(data, dict):
+        raise CheckpointError(f"{file}: run.data must be a JSON object, got {data!r}")
+    for where, values in (("meta", config["meta"]), ("run.data", data or {})):
+        tokenizer = values.get("tokenizer")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise CheckpointError(f"{file}: {where}.tokenizer must be a string, got {tokenizer!r}")
+    return config
 
 
 def load_checkpoint(
@@ -266,12 +358,14 @@ def load_checkpoint(
     **model_overrides: Any,
 ) -> Checkpoint:
     """Load a verified checkpoint. Nothing in it can execute code: weights are safetensors and
-    the trainer state is read with torch.load(weights_only=True).
+    the trainer state is read with torch.load(weights_only=True). Nothing it claims is believed
+    before it is checked: the config's fields like command-line values, and the config against
+    the shapes in the weights' header, before the model is allocated.
     model_overrides replace GPTConfig fields (e.g. attention="sdpa", dropout=0.0)."""
     path = Path(path)
-    config = verify_checkpoint(path)
+    manifest, config = _verify(path)
+    model_config = _checked_model_config(path, config["model"], model_overrides)
     try:
-        model_config = GPTConfig.from_dict({**config["model"], **model_overrides})
         model = GPT(model_config)
         state = load_file(str(path / MODEL_FILE), device="cpu")
         if model_config.tie_embeddings:
@@ -282,13 +376,33 @@ def load_checkpoint(
     trainer_state = None
     if with_trainer_state:
         file = path / TRAINER_FILE
-        if not file.is_file():
+        if TRAINER_FILE not in manifest:
             raise CheckpointError(f"{path} has no trainer state ({TRAINER_FILE}) to resume from")
         try:
             trainer_state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means "not loadable"
             raise CheckpointError(f"cannot load {file} safely: {e}") from None
     return Checkpoint(path, model.to(device), config["run"], config["meta"], trainer_state)
+
+
+def _checked_model_config(
+    path: Path, values: dict[str, Any], overrides: dict[str, Any]
+) -> GPTConfig:
+    """The GPTConfig config.json claims (with overrides), checked field by field and against
+    the shapes in model.safetensors' header: no tensor is read, no model allocated."""
+    try:
+        model_config = GPTConfig.from_dict({**values, **overrides})
+    except ValueError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
+    try:
+        tensors = read_safetensors_header(path / MODEL_FILE)
+    except ValueError as e:
+        raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
+    try:
+        check_config_against_weights(model_config, tensors, f"the weights in {MODEL_FILE}")
+    except ValueError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
+    return model_config
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:

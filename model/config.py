@@ -17,6 +17,19 @@ ATTENTION_IMPLS = ("manual", "sdpa", "flash")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
+# Upper bounds on the sizes, far above any model this project trains (GPT-3 has n_embd 12288,
+# 96 layers), so that a typo or a hand-edited checkpoint fails here instead of asking the
+# allocator for terabytes. block_size also sizes each layer's causal mask (block_size^2 bytes).
+MAX_SIZES = dict(
+    vocab_size=1 << 21,
+    block_size=1 << 16,
+    n_layer=1024,
+    n_head=1024,
+    n_embd=1 << 16,
+    flash_block_q=1 << 16,
+    flash_block_k=1 << 16,
+)
+MAX_MLP_RATIO = 64
 
 
 def _positive_number(value: Any) -> bool:
@@ -56,9 +69,10 @@ class GPTConfig:
     zero_init_proj: bool = False  # residual output projections start at zero (modded-nanogpt)
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-        for name in (*positive, "flash_block_q", "flash_block_k"):
-            positive_int(f"model.{name}", getattr(self, name))
+        for name, most in MAX_SIZES.items():
+            value = positive_int(f"model.{name}", getattr(self, name))
+            if value > most:  # thousands separators: these claims run to millions
+                raise ConfigError(f"model.{name} must be at most {most:,}, got {value:,}")
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}): "
@@ -82,6 +96,12 @@ class GPTConfig:
         for name in ("rope_base", "mlp_ratio"):
             value = getattr(self, name)
             check(f"model.{name}", value, _positive_number(value), "a positive number")
+        check(
+            "model.mlp_ratio",
+            self.mlp_ratio,
+            self.mlp_ratio <= MAX_MLP_RATIO,
+            f"at most {MAX_MLP_RATIO}",
+        )
         cap = self.logit_softcap
         check(
             "model.logit_softcap",

@@ -7,13 +7,18 @@ we do not keep. Works offline from a state dict, a safetensors file, or a model 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.weights import read_safetensors_header, stored_shapes
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # The GPTConfig values of GPT-2's architecture (GPTConfig's defaults): any other value of one of
@@ -28,17 +33,65 @@ GPT2_ARCHITECTURE = dict(
 )
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if path.is_dir():
-        for name in ("model.safetensors", "pytorch_model.bin"):
-            if (path / name).is_file():
-                return _read_state_dict(path / name)
-        raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+# config.json keys that change what GPT-2's weights compute, and the values our GPT computes
+# with; a present key with another value is refused (a silent difference in the logits otherwise).
+HF_ARCHITECTURE = dict(
+    model_type=("gpt2",),
+    activation_function=("gelu_new", "gelu_pytorch_tanh"),  # GELU's tanh form, as ours
+    layer_norm_epsilon=(1e-5,),
+    scale_attn_weights=(True,),
+    scale_attn_by_inverse_layer_idx=(False,),
+    add_cross_attention=(False,),
+)
+HF_SIZES = ("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner")
+MAX_CONFIG_BYTES = 1 << 20  # a GPT-2 config.json has about 1 KB
 
+
+def read_hf_config(file: Path) -> dict[str, Any]:
+    """A Hugging Face GPT-2 config.json, every key we read checked (type, range, value) and
+    named in a one-line ValueError. Other keys (labels, token ids, ...) do not affect us."""
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{file} has {file.stat().st_size:,} bytes: not a GPT-2 config.json")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{file} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    for key in HF_SIZES:
+        value = config.get(key)
+        if value is None:  # absent, or n_inner's "4 * n_embd"
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{file}: {key} must be a positive integer, got {value!r}")
+    if config.get("n_embd") and config.get("n_head") and config["n_embd"] % config["n_head"]:
+        raise ValueError(
+            f"{file}: n_head={config['n_head']} does not divide n_embd={config['n_embd']}: each "
+            "head gets n_embd / n_head dimensions"
+        )
+    for key, accepted in HF_ARCHITECTURE.items():
+        if key in config and config[key] not in accepted:
+            raise ValueError(
+                f"{file}: {key}={config[key]!r} is not GPT-2's architecture, which our GPT "
+                f"computes; it needs {key} in {list(accepted)}"
+            )
+    return config
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
         return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+    # mmap: the tensors stay in the file until copied; weights_only never unpickles code
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _weights_file(path: Path) -> Path:
+    if not path.is_dir():
+        return path
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
 
 
 def load_hf_gpt2(
@@ -47,7 +100,9 @@ def load_hf_gpt2(
     """A GPT holding the weights of a Hugging Face GPT-2 checkpoint.
 
     source: a state dict, a .safetensors/.bin file, or a directory with config.json. The shape
-    comes from the weights; n_head (which shapes cannot tell) from config.json or the argument.
+    comes from the weights (a safetensors header: read before any tensor); n_head (which shapes
+    cannot tell) from config.json or the argument. Every size config.json claims is checked
+    against the weights before the model is built.
     overrides: other GPTConfig fields, e.g. dropout=0.1 or attention="sdpa" for fine-tuning;
     not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix.
     """
@@ -57,43 +112,93 @@ def load_hf_gpt2(
                 f"model.{key}={value!r} is not GPT-2's architecture: GPT-2 weights need "
                 f"model.{key}={GPT2_ARCHITECTURE[key]!r}"
             )
+    sd, claims, where = None, {}, "the weights"
     if isinstance(source, dict):
         sd = source
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
     else:
-        path = Path(source)
-        sd = _read_state_dict(path)
-        config_file = (path if path.is_dir() else path.parent) / "config.json"
-        if n_head is None and config_file.is_file():
-            n_head = json.loads(config_file.read_text())["n_head"]
+        file = _weights_file(Path(source))
+        config_file = file.parent / "config.json"
+        if config_file.is_file():
+            claims, where = read_hf_config(config_file), str(config_file)
+        if file.suffix == ".safetensors":
+            shapes = {k: t.shape for k, t in read_safetensors_header(file).items()}
+        else:
+            sd = _read_state_dict(file)
+            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    n_head = claims.get("n_head") if n_head is None else n_head
     if n_head is None:
         raise ValueError("n_head is not in the weights: pass n_head= or a folder with config.json")
+    shapes = {k.removeprefix("transformer."): v for k, v in shapes.items()}
+    config = _config_from_shapes(shapes, n_head, claims, where, overrides)
+    _check_shapes(config, shapes)  # on a meta-device model: nothing allocated yet
+    if sd is None:
+        sd = _read_state_dict(file)
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    vocab_size, n_embd = sd["wte.weight"].shape
-    n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
-    config = GPTConfig(
-        vocab_size=vocab_size,
-        block_size=sd["wpe.weight"].shape[0],
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        bias="ln_f.bias" in sd,
-        tie_embeddings="lm_head.weight" not in sd
-        or bool(torch.equal(sd["lm_head.weight"], sd["wte.weight"])),
-        **overrides,
-    )
+    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
+        config = dataclasses.replace(config, tie_embeddings=False)
     model = GPT(config)
     ours = model.state_dict()
     for key, target in ours.items():
         hf_key = key.removeprefix("transformer.")
         if hf_key == "lm_head.weight" and config.tie_embeddings:
             continue  # the same tensor as wte.weight
-        if hf_key not in sd:
-            raise ValueError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
         w = sd[hf_key]
-        if hf_key.endswith(_TRANSPOSED):
-            w = w.t()
-        if w.shape != target.shape:
-            raise ValueError(f"{hf_key}: shape {tuple(w.shape)} != ours {tuple(target.shape)}")
         with torch.no_grad():
-            target.copy_(w)
+            target.copy_(w.t() if hf_key.endswith(_TRANSPOSED) else w)
     return model
+
+
+def _config_from_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    n_head: int,
+    claims: dict[str, Any],
+    where: str,
+    overrides: dict[str, Any],
+) -> GPTConfig:
+    """GPTConfig from the weights' shapes, after checking what config.json claims about them.
+    The head is taken as tied here; an untied one is found once the tensors are read."""
+    for key in ("wte.weight", "wpe.weight"):
+        if len(shapes.get(key, ())) != 2:
+            raise ValueError(f"{where}: the weights have no 2-D {key}: not a GPT-2 checkpoint")
+    vocab_size, n_embd = shapes["wte.weight"]
+    layers = [int(m[1]) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))]
+    actual = dict(
+        vocab_size=vocab_size,
+        n_positions=shapes["wpe.weight"][0],
+        n_ctx=shapes["wpe.weight"][0],
+        n_embd=n_embd,
+        n_layer=1 + max(layers, default=-1),
+    )
+    for key, value in actual.items():
+        if claims.get(key) is not None and claims[key] != value:
+            raise ValueError(
+                f"{where}: {key}={claims[key]} disagrees with the weights, which give {value}"
+            )
+    if claims.get("n_inner") not in (None, 4 * n_embd):
+        raise ValueError(f"{where}: n_inner={claims['n_inner']} is not 4 * n_embd = {4 * n_embd}")
+    if "lm_head.weight" in shapes and shapes["lm_head.weight"] != shapes["wte.weight"]:
+        raise ValueError(
+            f"{where}: lm_head.weight has shape {shapes['lm_head.weight']}, "
+            f"wte.weight {shapes['wte.weight']}: they must match"
+        )
+    return GPTConfig(
+        vocab_size=vocab_size,
+        block_size=actual["n_positions"],
+        n_layer=actual["n_layer"],
+        n_head=n_head,
+        n_embd=n_embd,
+        bias="ln_f.bias" in shapes,
+        **overrides,
+    )
+
+
+def _check_shapes(config: GPTConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor our model needs is in the weights with its shape (HF's Conv1D transposed)."""
+    for key, shape in stored_shapes(config).items():
+        hf_key = key.removeprefix("transformer.")
+        if hf_key not in shapes:
+            raise ValueError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
+        got = shapes[hf_key][::-1] if hf_key.endswith(_TRANSPOSED) else shapes[hf_key]
+        if got != shape:
+            raise ValueError(f"{hf_key}: shape {tuple(got)} != ours {shape}")

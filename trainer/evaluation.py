@@ -129,6 +129,11 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
+        if "data" not in ckpt.run_config:
+            raise DataError(
+                f"the checkpoint {path} does not record the dataset it was trained on "
+                "(no run.data in its config.json); evaluate with text_file=<path>"
+            )
         data = prepare_data(ckpt.run_config["data"], verbose=False)
         if not ckpt.same_tokenizer(data):
             raise DataError(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, load_preset, preset_names
+from model.config import MAX_MLP_RATIO, MAX_SIZES
 from model.hf import GPT2_ARCHITECTURE
 from tests.conftest import tiny_config
 
@@ -55,6 +56,13 @@ from tests.conftest import tiny_config
         (dict(logit_softcap=False), "logit_softcap"),
         (dict(logit_softcap="30"), "logit_softcap"),
         (dict(pos_embedding="rope", n_embd=18, n_head=2), "pos_embedding"),  # head size 9
+        # sizes beyond any model: a typo, or a hand-edited checkpoint asking for terabytes
+        (dict(n_embd=4_000_000, n_head=1), "n_embd"),
+        (dict(block_size=1 << 17), "block_size"),
+        (dict(n_layer=1025), "n_layer"),
+        (dict(vocab_size=1 << 22), "vocab_size"),
+        (dict(flash_block_q=1 << 17), "flash_block_q"),
+        (dict(mlp_ratio=65), "mlp_ratio"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -62,6 +70,12 @@ def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"model\.{field}") as error:
         tiny_config(**overrides)
     assert "\n" not in str(error.value)
+
+
+def test_the_largest_sizes_are_accepted():
+    """Negative control for the bounds above: the limits themselves are valid."""
+    config = GPTConfig(**{**MAX_SIZES, "n_head": 1024, "mlp_ratio": MAX_MLP_RATIO})
+    assert config.n_embd == 1 << 16 and config.block_size == 1 << 16
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
+from model import hf
 from model.hf import load_hf_gpt2
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
@@ -85,3 +89,68 @@ def test_gpt2s_own_architecture_values_and_other_overrides_load(hf_model):
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, atol=1e-4, rtol=0)
     assert ours.config.dropout == 0.1
+
+
+# ----- a foreign directory: config.json is checked, and checked against the weights ----------
+
+
+def hf_dir(hf_model, path, **config_edits):
+    """save_pretrained's directory with config.json edited by hand."""
+    hf_model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_edits)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "edits, message",
+    [
+        (dict(n_head=5), "n_head=5 does not divide n_embd=48"),
+        (dict(n_embd=8192, n_head=16), "n_embd=8192 disagrees with the weights, which give 48"),
+        (dict(n_layer=24), "n_layer=24 disagrees with the weights, which give 3"),
+        (dict(n_positions=4096), "n_positions=4096 disagrees with the weights, which give 32"),
+        (dict(vocab_size=50257), "vocab_size=50257 disagrees with the weights, which give 101"),
+        (dict(n_inner=64), "n_inner=64 is not 4 * n_embd = 192"),
+        (dict(n_layer="3"), "n_layer must be a positive integer, got '3'"),
+        (dict(n_head=4.0), "n_head must be a positive integer, got 4.0"),
+        (dict(activation_function="relu"), "activation_function='relu' is not GPT-2's"),
+        (dict(model_type="llama"), "model_type='llama' is not GPT-2's"),
+    ],
+)
+def test_a_foreign_config_json_is_one_error_before_any_tensor_is_read(
+    hf_model, tmp_path, monkeypatch, edits, message
+):
+    path = hf_dir(hf_model, tmp_path, **edits)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tensors read or a model built before the check")
+
+    monkeypatch.setattr(hf, "load_file", refuse)
+    monkeypatch.setattr(hf, "GPT", refuse)
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        load_hf_gpt2(path)
+    assert str(e.value).startswith(str(path / "config.json")) and "\n" not in str(e.value)
+
+
+def test_a_config_json_that_is_not_an_object_is_one_error(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not a JSON object"):
+        load_hf_gpt2(tmp_path)
+
+
+def test_a_pytorch_bin_directory_is_checked_and_loads(hf_model, tmp_path):
+    """pytorch_model.bin (read memory-mapped, weights_only) gives the same model; its
+    config.json is checked against it like a safetensors directory's."""
+    hf_model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")
+    idx = torch.randint(0, 101, (1, 20))
+    with torch.no_grad():
+        got = load_hf_gpt2(tmp_path).eval()(idx)[0]
+        torch.testing.assert_close(got, hf_model(idx).logits, atol=1e-4, rtol=0)
+    hf_dir(hf_model, tmp_path, n_layer=24)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="n_layer=24 disagrees"):
+        load_hf_gpt2(tmp_path)
