@@ -55,6 +55,7 @@ class TrainSettings:
     eval_interval: int = 100  # steps between evaluations (0: only at the end)
     eval_steps: int = 20  # batches per periodic evaluation (a fixed subset of val)
     ckpt_interval: int = 100  # steps between `last` checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # step-<step> checkpoints kept besides last and best (0: none)
     log_interval: int = 10  # steps between console / wandb lines
     resume: str | None = None  # null | auto | a checkpoint or run directory
     on_nan: str = "stop"  # stop | skip: what a non-finite loss or gradient does
@@ -63,7 +64,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
             _positive_int(f"train.{name}", getattr(self, name))
-        for name in ("eval_interval", "ckpt_interval", "sample_tokens"):
+        for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
             _positive_int(f"train.{name}", getattr(self, name), allow_zero=True)
         if self.max_seconds is not None and _number("train.max_seconds", self.max_seconds) <= 0:
             raise ConfigError(f"train.max_seconds must be positive or null, got {self.max_seconds}")

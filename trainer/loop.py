@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -22,10 +23,14 @@ from typing import Any
 import torch
 
 from core.checkpoint import (
+    MODEL_FILE,
+    STEP_PREFIX,
     Checkpoint,
     CheckpointError,
     check_writable,
+    checkpoint_bytes,
     load_checkpoint,
+    prune_step_checkpoints,
     recover_interrupted_swap,
     resolve_checkpoint,
     save_checkpoint,
@@ -39,7 +44,7 @@ from data.tokenizer import tokenizer_fingerprint
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig
 from trainer.config import RunConfig
-from trainer.console import Progress, format_seconds
+from trainer.console import Progress, format_bytes, format_seconds
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
@@ -169,6 +174,7 @@ class Trainer:
         )
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
+        self.disk_reported = False  # the first full checkpoint's size is printed once
         if resume_from is not None:
             self._resume(resume_from)
         self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
@@ -260,8 +266,35 @@ class Trainer:
                 trainer_state,
                 tokenizer_file=self.data.tokenizer_file,
             )
+            if with_trainer_state and not self.disk_reported:
+                self._report_disk(path)
         barrier()
         return path
+
+    def save_periodic(self) -> None:
+        """`last`, and with train.keep_checkpoints=N a `step-<step>` checkpoint too, pruned to
+        the N most recently written."""
+        self.save("last")
+        keep = self.cfg.train.keep_checkpoints
+        if keep:
+            name = f"{STEP_PREFIX}{self.state.step}"
+            self.save(name)
+            if self.dist.is_main:
+                prune_step_checkpoints(self.ckpt_dir, keep, newest=name)
+
+    def _report_disk(self, path: Path) -> None:
+        """What this run's checkpoints will take on disk: `last` and N step checkpoints in
+        full, `best` without the optimizer state."""
+        self.disk_reported = True
+        full, weights = checkpoint_bytes(path), (path / MODEL_FILE).stat().st_size
+        keep = self.cfg.train.keep_checkpoints
+        total = full * (1 + keep) + weights
+        free = shutil.disk_usage(self.ckpt_dir).free
+        self.progress.message(
+            f"checkpoints: {format_bytes(full)} each; last + {keep} step checkpoints "
+            f"(train.keep_checkpoints) + best's weights: about {format_bytes(total)} in "
+            f"{self.ckpt_dir} ({format_bytes(free)} free)"
+        )
 
     # ----- evaluation ----------------------------------------------------------------------
 
@@ -421,7 +454,7 @@ class Trainer:
             if cfg.eval_interval and state.step % cfg.eval_interval == 0:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
-                self.save("last")
+                self.save_periodic()
             if window_steps == 0:  # tokens/s measures training: evaluations and saves excluded
                 window_start = time.perf_counter()
             if signum:
