@@ -62,6 +62,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
+from trainer.memory import check_memory
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
@@ -153,7 +154,13 @@ class Trainer:
         with main_first():
             self.data = prepare(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
-        self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
+        model_config = model_config_for(cfg.model, self.data)
+        _, memory = check_memory(  # before allocating: a run that cannot fit is refused
+            model_config, cfg, self.precision, self.dist.world_size if self.sharded else 1
+        )
+        if self.dist.is_main:
+            print(memory)
+        self.model = GPT(model_config).to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self._resume_checkpoint()
@@ -329,7 +336,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.parallel_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    _, loss = self.step_model(x, y)
+                    loss = self.step_model(x, y)[1]  # the logits are freed before backward
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
