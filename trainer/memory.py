@@ -22,7 +22,9 @@ The estimate (bytes, per process; float32 parameters, as the trainer keeps them)
 
 Activations count 4 bytes per element in float32 and the autocast dtype's size under autocast
 (norm inputs stay float32). Under torchrun, FSDP divides weights, gradients and optimizer state
-by the world size. benchmarks/bench_memory.py compares the estimate with measured peaks.
+by the world size. Not counted: the runtime's own memory (lazily imported modules, thread pools,
+matmul scratch: 70-150 MB on a CPU). benchmarks/bench_memory.py compares the estimate with
+measured peaks (README, Performance).
 """
 
 from __future__ import annotations
@@ -133,18 +135,25 @@ def check_memory(
     )
     if budget is None or estimate.total <= budget or train.skip_memory_check:
         return estimate, line
-    fixes = []
     one = estimate_memory(config, 1, cfg.optim.name, dtype, shards)  # memory is linear in B
     per_window = one.activations + one.logits
-    smaller = (budget - (one.total - per_window)) // per_window
-    if smaller >= 1:
-        accum = train.grad_accum_steps * -(-train.batch_size // smaller)
-        fixes.append(f"train.batch_size={smaller} train.grad_accum_steps={accum}")
-    if config.attention == "manual":
-        fixes.append("model.attention=flash")
-    if dtype == torch.float32 and precision.device.type == "cuda":
-        fixes.append("dtype=bfloat16")
-    how = f"try {' or '.join(fixes)}, " if fixes else "choose a smaller model, "
+    state = one.total - per_window  # weights, gradients, optimizer: whatever the batch
+    if state > budget:
+        how = (
+            f"the weights, gradients and optimizer state alone take {format_bytes(state)}: "
+            "choose a smaller model, "
+        )
+    else:
+        smaller = (budget - state) // per_window
+        fixes = []
+        if smaller >= 1:
+            accum = train.grad_accum_steps * -(-train.batch_size // smaller)
+            fixes.append(f"train.batch_size={smaller} train.grad_accum_steps={accum}")
+        if config.attention == "manual":
+            fixes.append("model.attention=flash")
+        if dtype == torch.float32 and precision.device.type == "cuda":
+            fixes.append("dtype=bfloat16")
+        how = f"try {' or '.join(fixes)}, " if fixes else ""
     raise ConfigError(
         f"this run needs about {format_bytes(estimate.total)} per training step "
         f"(estimated: {estimate.summary()}), more than the {format_bytes(budget)} {source}; "
