@@ -8,7 +8,9 @@ from omegaconf import DictConfig
 
 from base.errors import user_errors
 from core.checkpoint import CheckpointError
+from core.run_lock import acquire_run_lock
 from trainer.cli import run_config
+from trainer.distributed import DistInfo
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 
 
@@ -16,7 +18,10 @@ from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 def main(cfg: DictConfig) -> None:
     with user_errors():
         settings, resolved = run_config(cfg)
-        trainer = Trainer(settings, HydraConfig.get().runtime.output_dir, resolved)
+        run_dir = HydraConfig.get().runtime.output_dir
+        if DistInfo.from_env().is_main:  # one owner per run dir: rank 0, for the whole job
+            acquire_run_lock(run_dir)
+        trainer = Trainer(settings, run_dir, resolved)
     try:
         trainer.run()
     except TrainingInterrupted as e:

@@ -444,3 +444,43 @@ def latest_checkpoint(runs_root: str | Path = "outputs", prefer: str = "best") -
             "or pass checkpoint=<run dir>"
         )
     return resolve_checkpoint(manifests[-1].parent.parent.parent, prefer)
+
+
+STEP_PREFIX = "step-"  # step checkpoints: checkpoints/step-<step>/ (train.keep_checkpoints)
+
+
+def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, newest: str) -> list[Path]:
+    """Delete all but the `keep` most recently written complete step checkpoints in `ckpt_dir`
+    (`newest`, the one just written, is always kept); returns what was deleted.
+
+    Only complete checkpoints (`step-<n>/` with a manifest) count and are deleted: temporary
+    and swap directories (`.step-<n>.tmp-*`, `.step-<n>.old`) belong to a write in progress or
+    to its recovery. Each is renamed aside before it is deleted, so a crash mid-delete leaves
+    no `step-<n>/` with some files missing, only a hidden leftover removed by the next prune."""
+    ckpt_dir = Path(ckpt_dir)
+    for leftover in ckpt_dir.glob(f".{STEP_PREFIX}*.pruning"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    steps = [
+        p
+        for p in ckpt_dir.glob(f"{STEP_PREFIX}*")
+        if re.fullmatch(rf"{STEP_PREFIX}\d+", p.name) and (p / MANIFEST_FILE).is_file()
+    ]
+    # Most recently written first (a resumed run may rewrite lower steps after higher ones).
+    steps.sort(
+        key=lambda p: (
+            p.name == newest,
+            (p / MANIFEST_FILE).stat().st_mtime_ns,
+            int(p.name.removeprefix(STEP_PREFIX)),
+        )
+    )
+    deleted = steps[: max(len(steps) - keep, 0)]
+    for path in deleted:
+        aside = path.with_name(f".{path.name}.pruning")
+        os.replace(path, aside)
+        shutil.rmtree(aside)
+    return deleted
+
+
+def checkpoint_bytes(path: str | Path) -> int:
+    """The size on disk of a checkpoint's files."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())

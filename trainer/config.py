@@ -60,15 +60,17 @@ class TrainSettings:
     eval_interval: int  # steps between evaluations (0: only at the end)
     eval_steps: int  # batches per periodic evaluation (a fixed subset of val)
     ckpt_interval: int  # steps between `last` checkpoints (0: only at the end)
+    keep_checkpoints: int  # step-<step> checkpoints kept besides last and best (0: none)
     log_interval: int  # steps between console / wandb lines
     resume: str | None  # null | auto | a checkpoint or run directory
     on_nan: str  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
+    skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
             positive_int(f"train.{name}", getattr(self, name))
-        for name in ("eval_interval", "ckpt_interval", "sample_tokens"):
+        for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
             non_negative_int(f"train.{name}", getattr(self, name))
         if self.max_seconds is not None:
             seconds = number("train.max_seconds", self.max_seconds)
@@ -76,6 +78,7 @@ class TrainSettings:
         resume_ok = self.resume is None or isinstance(self.resume, str)
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
         _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
+        boolean("train.skip_memory_check", self.skip_memory_check)
 
 
 @defaults_from(OPTIM_YAML)

@@ -19,6 +19,15 @@ def format_seconds(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; powers of 1024, as memory and disk sizes are read."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 class Progress:
     """Shows training progress; `enabled=False` (non-zero ranks) prints nothing."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -23,11 +24,15 @@ import torch
 
 from base.errors import ConfigError
 from core.checkpoint import (
+    MODEL_FILE,
+    STEP_PREFIX,
     Checkpoint,
     CheckpointError,
     check_writable,
+    checkpoint_bytes,
     is_complete,
     load_checkpoint,
+    prune_step_checkpoints,
     resolve_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -38,7 +43,7 @@ from data.sampler import BatchSampler
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
 from trainer.config import RunConfig
-from trainer.console import Progress, format_seconds
+from trainer.console import Progress, format_bytes, format_seconds
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
@@ -56,6 +61,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
+from trainer.memory import check_memory
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
@@ -161,7 +167,13 @@ class Trainer:
         with main_first():
             self.data = prepare_data(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
-        self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
+        model_config = model_config_for(cfg.model, self.data)
+        _, memory = check_memory(  # before allocating: a run that cannot fit is refused
+            model_config, cfg, self.precision, self.dist.world_size if self.sharded else 1
+        )
+        if self.dist.is_main:
+            print(memory)
+        self.model = GPT(model_config).to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self._resume_checkpoint()
@@ -183,6 +195,7 @@ class Trainer:
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         self.resumed_from = None if resume_from is None else resume_from.path
+        self.disk_reported = False  # the first full checkpoint's size is printed once
         if resume_from is not None:
             self._resume(resume_from)
         self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
@@ -283,8 +296,35 @@ class Trainer:
                 trainer_state,
                 tokenizer_file=self.data.tokenizer_file,
             )
+            if with_trainer_state and not self.disk_reported:
+                self._report_disk(path)
         barrier()
         return path
+
+    def save_periodic(self) -> None:
+        """`last`, and with train.keep_checkpoints=N a `step-<step>` checkpoint too, pruned to
+        the N most recently written."""
+        self.save("last")
+        keep = self.cfg.train.keep_checkpoints
+        if keep:
+            name = f"{STEP_PREFIX}{self.state.step}"
+            self.save(name)
+            if self.dist.is_main:
+                prune_step_checkpoints(self.ckpt_dir, keep, newest=name)
+
+    def _report_disk(self, path: Path) -> None:
+        """What this run's checkpoints will take on disk: `last` and N step checkpoints in
+        full, `best` without the optimizer state."""
+        self.disk_reported = True
+        full, weights = checkpoint_bytes(path), (path / MODEL_FILE).stat().st_size
+        keep = self.cfg.train.keep_checkpoints
+        total = full * (1 + keep) + weights
+        free = shutil.disk_usage(self.ckpt_dir).free
+        self.progress.message(
+            f"checkpoints: {format_bytes(full)} each; last + {keep} step checkpoints "
+            f"(train.keep_checkpoints) + best's weights: about {format_bytes(total)} in "
+            f"{self.ckpt_dir} ({format_bytes(free)} free)"
+        )
 
     # ----- evaluation ----------------------------------------------------------------------
 
@@ -319,7 +359,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.parallel_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    _, loss = self.step_model(x, y)
+                    loss = self.step_model(x, y)[1]  # the logits are freed before backward
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
@@ -393,7 +433,7 @@ class Trainer:
             if cfg.eval_interval and state.step % cfg.eval_interval == 0:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
-                self.save("last")
+                self.save_periodic()
             if logged:
                 throughput.restart()  # tokens/s measures training: evaluations and saves excluded
             if signum:

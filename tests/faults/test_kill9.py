@@ -59,6 +59,7 @@ OVERRIDES = [
     "train.eval_interval=2",  # `best` is written often too
     "train.eval_steps=1",
     "train.resume=auto",
+    "train.keep_checkpoints=0",  # checks below expect last and best alone
 ]
 
 Checkpoints = dict[str, tuple[int, str]]  # "last"/"best" -> (step, manifest.json's text)
