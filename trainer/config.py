@@ -59,6 +59,7 @@ class TrainSettings:
     resume: str | None = None  # null | auto | a checkpoint or run directory
     on_nan: str = "stop"  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int = 64  # tokens per sample generation logged at each evaluation (0: none)
+    check_causality: bool = True  # check a shrunk copy of the model first (trainer/guard.py)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
@@ -70,6 +71,7 @@ class TrainSettings:
         if self.resume is not None and not isinstance(self.resume, str):
             raise ConfigError(f"train.resume must be null, auto or a path, got {self.resume!r}")
         _choice("train.on_nan", self.on_nan, ("stop", "skip"))
+        _bool("train.check_causality", self.check_causality)
 
 
 @dataclass
