@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
@@ -32,8 +33,9 @@ def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
     if cfg["checkpoint"] is None:
         values = cfg["model"]
         if cfg["shrink"]:
-            config = shrunk_config(values)
-            return GPT(config), f"model: a shrunk copy of the config's ({config})"
+            c = shrunk_config(values)
+            sizes = f"n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}"
+            return GPT(c), f"model: the config's, shrunk to {sizes} (options as configured)"
         config = GPTConfig.from_dict({**values, "vocab_size": values["vocab_size"] or GPT2_VOCAB})
         return GPT(config), f"model: the config's, full size ({config})"
     path = Path(cfg["checkpoint"]).expanduser()
@@ -57,6 +59,7 @@ def run(cfg: dict[str, Any]) -> int:
     if not isinstance(cfg["shrink"], bool):
         raise ConfigError(f"shrink must be true or false, got {cfg['shrink']!r}")
     device = resolve_device(cfg["device"])
+    torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
     model, description = model_to_check(cfg)
     print(description)
     attention = None if cfg["attention"] == "all" else (cfg["attention"],)
