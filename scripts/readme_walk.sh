@@ -61,6 +61,13 @@ python evaluate.py checkpoint=runs/walk > eval.out 2>&1 || { cat eval.out; fail 
 expect eval.out 'non-overlapping windows' "evaluate.py's method line"
 expect eval.out '"bpb": [0-9.]+' "evaluate.py's JSON"
 
+step "python check_causality.py"
+python check_causality.py > causal.out 2>&1 || { cat causal.out; fail "check_causality.py exited $?"; }
+expect causal.out '^\{"causal": true' "check_causality.py's JSON"
+python check_causality.py checkpoint=runs/walk attention=sdpa > causal.out 2>&1 || { cat causal.out; fail "check_causality.py on the checkpoint exited $?"; }
+expect causal.out '^\{"causal": true' "check_causality.py's JSON on the checkpoint"
+expect train.out '^causality guard: passed' "train.py's guard"
+
 step "Ctrl-C, then resume"
 python train.py "${FAST[@]}" train.max_steps=100000 hydra.run.dir=runs/stop > stop.out 2>&1 &
 PID=$!

@@ -66,6 +66,7 @@ class TrainSettings:
     on_nan: str  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
     skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
+    check_causality: bool  # check a shrunk copy of the model first (trainer/guard.py)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
@@ -79,6 +80,7 @@ class TrainSettings:
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
         _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
         boolean("train.skip_memory_check", self.skip_memory_check)
+        boolean("train.check_causality", self.check_causality)
 
 
 @defaults_from(OPTIM_YAML)

@@ -61,6 +61,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
+from trainer.guard import causality_guard
 from trainer.memory import check_memory
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
@@ -146,6 +147,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.dist = DistInfo.from_env()
+        self.causality = causality_guard(cfg, verbose=self.dist.is_main)  # before any data
         if self.dist.enabled and cfg.parallel.strategy == "fsdp" and cfg.optim.name == "muon":
             raise ConfigError(
                 "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
@@ -279,7 +281,12 @@ class Trainer:
         }
 
     def _meta(self, **extra: Any) -> dict[str, Any]:
-        return {"step": self.state.step, "tokenizer": self.data.tokenizer_name, **extra}
+        return {
+            "step": self.state.step,
+            "tokenizer": self.data.tokenizer_name,
+            "causality": self.causality,
+            **extra,
+        }
 
     def save(self, name: str, with_trainer_state: bool = True, **meta: Any) -> Path:
         """Every rank calls this at the same step (FSDP gathers the shards); rank 0 writes, and

@@ -13,6 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from model import GPT
+from model.config import MLPS, NORMS, POS_EMBEDDINGS
+
 
 @pytest.fixture(autouse=True, scope="package")
 def one_torch_thread() -> Iterator[None]:
@@ -22,25 +25,52 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-# Every architecture option of GPTConfig, alone and all together, as GPTConfig overrides for
-# tests/conftest.py's tiny_config (head size 8: rope needs an even one). zero_init_proj is left
-# out: zeroed projections silence attention at init, so equivalence and causality checks would
-# pass trivially (test_options.py checks it on its own).
-ARCHITECTURES = {
-    "gpt2": {},
-    "rope": dict(pos_embedding="rope"),
-    "rmsnorm": dict(norm="rmsnorm"),
-    "qk_norm": dict(qk_norm=True),
-    "relu2": dict(mlp="relu2"),
-    "swiglu": dict(mlp="swiglu"),
-    "softcap": dict(logit_softcap=0.1),  # about the logits' size at init: tanh bends them
-    "untied": dict(tie_embeddings=False),
-    "all": dict(
-        pos_embedding="rope",
-        norm="rmsnorm",
-        qk_norm=True,
-        mlp="swiglu",
-        logit_softcap=0.1,
-        tie_embeddings=False,
-    ),
+# The option matrix of the causality and KV-cache tests, generated from GPTConfig's fields: every
+# field is a size (set by each test; the presets' head counts are covered by test_causality.py),
+# an axis the tests parametrize over (attention, dropout via train mode), or an option listed
+# here with its values, default first. test_causality.py fails when a field is in none of them,
+# so a new option cannot be left out; choice fields take every value their tuple in
+# model/config.py allows.
+SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}
+AXES = {"attention", "dropout"}
+OPTION_VALUES = {
+    "bias": (True, False),
+    "tie_embeddings": (True, False),
+    "flash_block_q": (128, 3),  # tiles smaller than the sequence: several, some straddling
+    "flash_block_k": (128, 2),
+    "pos_embedding": POS_EMBEDDINGS,
+    "rope_base": (10000.0, 100.0),
+    "norm": NORMS,
+    "qk_norm": (False, True),
+    "mlp": MLPS,
+    "mlp_ratio": (4, 1.5),
+    "logit_softcap": (None, 0.1),  # about the logits' size at init: tanh bends them
+    "zero_init_proj": (False, True),  # see random_projections
 }
+NEEDS = {"rope_base": dict(pos_embedding="rope")}  # an option that acts only with another
+
+
+def _architectures() -> dict[str, dict]:
+    """{"gpt2": {}}, each option's every other value alone (with what it needs), and "all":
+    every option at its last value, as GPTConfig overrides for head size 8."""
+    table = {"gpt2": {}}
+    for key, values in OPTION_VALUES.items():
+        for value in values[1:]:
+            table[f"{key}={value}"] = {**NEEDS.get(key, {}), key: value}
+    table["all"] = {key: values[-1] for key, values in OPTION_VALUES.items()}
+    return table
+
+
+ARCHITECTURES = _architectures()
+
+
+def random_projections(model: GPT) -> GPT:
+    """zero_init_proj changes only the initial values, but zeroed projections silence every
+    block, and a leak through them could not show: give them random values, as training
+    would."""
+    if model.config.zero_init_proj:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("c_proj.weight"):
+                    p.normal_(0.0, 0.02)
+    return model

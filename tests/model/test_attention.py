@@ -12,7 +12,7 @@ from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 
 
-@pytest.mark.parametrize("options", ["gpt2", "rope", "all"])
+@pytest.mark.parametrize("options", ["gpt2", "pos_embedding=rope", "all"])
 def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(options):
     torch.manual_seed(0)
     model = GPT(tiny_config(**ARCHITECTURES[options])).eval()

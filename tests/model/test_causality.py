@@ -1,20 +1,37 @@
 """The model is causal: the logits at position t depend on tokens <= t and on nothing after t.
 
 Each check runs on every preset's head count (narrowed and made shallow for speed), on every
-architecture option, with every attention implementation, in eval mode and in train mode with
-dropout on; and each check is run on deliberately leaky variants, which it must catch.
+value of every option of GPTConfig (the matrix in conftest.py, generated from its fields), with
+every attention implementation, in eval mode and in train mode with dropout on; and each check
+is run on deliberately leaky variants, which it must catch and localise
+(test_causality_controls.py has one per kind of leak).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import ATTENTION_IMPLS, GPT, GPTConfig, load_preset, preset_names
-from model.causality import find_leaks, jacobian_leaks, perturbation_leaks
-from model.hf import GPT2_ARCHITECTURE
-from tests.model.conftest import ARCHITECTURES
+from model.causality import (
+    CausalityError,
+    assert_causal,
+    check_causality,
+    find_leaks,
+    jacobian_check,
+    perturbation_check,
+)
+from model.config import MLPS, NORMS, POS_EMBEDDINGS
+from tests.model.conftest import (
+    ARCHITECTURES,
+    AXES,
+    OPTION_VALUES,
+    SIZES,
+    random_projections,
+)
 
 HEAD_SIZE = 4  # narrow heads keep gpt2-xl's 25 heads fast
 # At most 2 layers of each preset: the causal mask is the same in every layer, so a leak shows
@@ -55,38 +72,52 @@ def test_every_preset_is_covered():
     assert {"nano", "mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(preset_names())
 
 
-def test_every_architecture_option_is_covered():
-    """Each option of GPT2_ARCHITECTURE (mlp_ratio only resizes) at a non-GPT-2 value."""
-    changed = {key for options in ARCHITECTURES.values() for key in options}
-    assert set(GPT2_ARCHITECTURE) - {"mlp_ratio"} <= changed
-    assert {options["mlp"] for options in ARCHITECTURES.values() if "mlp" in options} == {
-        "relu2",
-        "swiglu",
-    }
+def test_every_config_field_is_in_the_option_matrix():
+    """A new GPTConfig field fails here until it is a size, an axis or an option with values."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    assert fields == SIZES | AXES | set(OPTION_VALUES)
+    assert not (SIZES & AXES or (SIZES | AXES) & set(OPTION_VALUES))
 
 
-def assert_causal(config: GPTConfig, mode: str) -> None:
+def test_the_option_matrix_takes_every_allowed_value():
+    """Choice fields take every value model/config.py allows, booleans both; every value is
+    valid and the first is the default; each other value is tested alone and in `all`."""
+    assert OPTION_VALUES["pos_embedding"] == POS_EMBEDDINGS
+    assert OPTION_VALUES["norm"] == NORMS and OPTION_VALUES["mlp"] == MLPS
+    defaults = GPTConfig()
+    for key, values in OPTION_VALUES.items():
+        if isinstance(getattr(defaults, key), bool):
+            assert set(values) == {True, False}, key
+        assert values[0] == getattr(defaults, key), key
+        for value in values:
+            GPTConfig(**{key: value})  # valid
+            if value != values[0]:
+                assert ARCHITECTURES[f"{key}={value}"][key] == value
+    assert all(ARCHITECTURES["all"][key] == values[-1] for key, values in OPTION_VALUES.items())
+
+
+def causal_in(config: GPTConfig, mode: str) -> None:
     """Both checks find no leak, in eval mode or in train mode (dropout on)."""
     torch.manual_seed(0)
-    model = GPT(config)
-    model.train(mode == "train")
-    idx = torch.randint(0, 97, (2, 12))
-    assert perturbation_leaks(model, idx) == []
-    assert jacobian_leaks(model, idx) == []
+    model = random_projections(GPT(config)).train(mode == "train")
+    idx = torch.randint(0, 97, (2, 10))
+    for check in (perturbation_check(model, idx), jacobian_check(model, idx)):
+        assert check.passed, check.line()
+        assert check.largest == 0.0
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("attention", ATTENTION_IMPLS)
 @pytest.mark.parametrize("preset", preset_names())
 def test_future_tokens_cannot_change_past_logits(preset, attention, mode):
-    assert_causal(scaled_preset(preset, attention, dropout=0.1 if mode == "train" else 0.0), mode)
+    causal_in(scaled_preset(preset, attention, dropout=0.1 if mode == "train" else 0.0), mode)
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("attention", ATTENTION_IMPLS)
 @pytest.mark.parametrize("options", ARCHITECTURES)
 def test_every_architecture_option_is_causal(options, attention, mode):
-    assert_causal(with_options(options, attention, dropout=0.1 if mode == "train" else 0.0), mode)
+    causal_in(with_options(options, attention, dropout=0.1 if mode == "train" else 0.0), mode)
 
 
 def _leaky(model: GPT, allowed: torch.Tensor) -> GPT:
@@ -103,19 +134,19 @@ LEAKS = {
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("leak", LEAKS)
-@pytest.mark.parametrize("options", ["gpt2", "rope", "all"])
-def test_checks_catch_a_leaky_mask(options, leak, mode):
-    """rope moves positions into attention: a leak must still show once it does."""
+@pytest.mark.parametrize("options", ["gpt2", "pos_embedding=rope", "all"])
+def test_checks_catch_a_leaky_mask_and_localise_it(options, leak, mode):
+    """rope moves positions into attention: a leak must still show once it does; nothing
+    before layer 0's attention sees the future, so that is where it enters."""
     torch.manual_seed(0)
-    model = GPT(with_options(options, "manual", dropout=0.1 if mode == "train" else 0.0))
-    model.train(mode == "train")
-    _leaky(model, LEAKS[leak](16))
-    idx = torch.randint(0, 97, (3, 12))
-    perturbation = perturbation_leaks(model, idx)
-    jacobian = jacobian_leaks(model, idx)
-    # every position but the last sees at least one future token
-    assert len(perturbation) == 11 and all("moved" in line for line in perturbation)
-    assert len(jacobian) == 11 and all("reaches positions > t" in line for line in jacobian)
+    config = with_options(options, "manual", dropout=0.1 if mode == "train" else 0.0)
+    model = _leaky(random_projections(GPT(config)).train(mode == "train"), LEAKS[leak](16))
+    idx = torch.randint(0, 97, (3, 10))
+    for check in (perturbation_check(model, idx), jacobian_check(model, idx)):
+        assert not check.passed and check.largest > 0
+        assert check.leak.where == "layer 0 attn" and check.leak.source > check.leak.t
+        assert str(check.leak).startswith("leak: layer 0 attn: output at t=")
+    assert not check_causality(model, seq_len=6, attention=("manual",)).causal
 
 
 def test_checks_catch_sdpa_without_is_causal(monkeypatch):
@@ -125,21 +156,46 @@ def test_checks_catch_sdpa_without_is_causal(monkeypatch):
     )
     torch.manual_seed(0)
     model = GPT(scaled_preset("nano", "sdpa", dropout=0.0)).eval()
-    assert find_leaks(model)
+    leaks = find_leaks(model)
+    assert leaks and all("leak: layer 0 attn: output at t=" in line for line in leaks)
 
 
 def test_a_model_blind_to_its_own_input_is_reported():
-    """The second half of the perturbation check: logits after t must react to the tokens."""
+    """The second half of the perturbation check: logits at s must react to the token at s."""
     torch.manual_seed(0)
     config = scaled_preset("nano", "manual", dropout=0.0)
     config.tie_embeddings = False
     model = GPT(config).eval()
     with torch.no_grad():
         model.transformer.wte.weight.zero_()  # every token looks the same
-    problems = perturbation_leaks(model, torch.randint(0, 97, (2, 8)))
-    assert problems and all("ignore the tokens" in p for p in problems)
+    check = perturbation_check(model, torch.randint(0, 97, (2, 8)))
+    assert check.leak is None and len(check.problems) == 7 and not check.passed
+    assert all("ignore the token" in p for p in check.problems)
 
 
 def test_find_leaks_is_empty_for_the_default_model():
     torch.manual_seed(0)
     assert find_leaks(GPT(scaled_preset("mini", "manual", dropout=0.1)).train()) == []
+
+
+def test_check_causality_runs_every_check_on_every_implementation_and_keeps_the_mode():
+    torch.manual_seed(0)
+    model = GPT(with_options("all", "sdpa", dropout=0.0)).train()
+    report = check_causality(model, seq_len=6)
+    assert report.causal and report.first_leak is None and model.training
+    kinds = ["perturbation (eval)", "jacobian (eval)", "kv-cache (eval)"]
+    kinds += ["perturbation (train, dropout 0.1)", "jacobian (train, dropout 0.1)"]
+    own_first = ("sdpa", "manual", "flash")
+    assert [c.name for c in report.checks] == [f"{a} {k}" for a in own_first for k in kinds]
+    summary = report.summary()
+    assert summary["causal"] and summary["first_leak"] is None
+    assert summary["checks"]["flash kv-cache (eval)"]["positions"] == 6
+
+
+def test_assert_causal_passes_quietly_and_raises_with_the_localised_report():
+    torch.manual_seed(0)
+    model = GPT(with_options("gpt2", "manual", dropout=0.0))
+    assert_causal(model, seq_len=6)
+    _leaky(model, LEAKS["off by one"](16))
+    with pytest.raises(CausalityError, match="manual perturbation \\(eval\\): leak: layer 0 attn"):
+        assert_causal(model, seq_len=6, attention=("manual",))

@@ -103,9 +103,8 @@ def test_causality_checks_catch_flash_without_its_diagonal_mask(monkeypatch):
 def test_the_model_with_flash_gives_manual_logits_and_gradients(options):
     torch.manual_seed(0)
     manual = GPT(tiny_config(attention="manual", **ARCHITECTURES[options]))
-    flash = GPT(
-        tiny_config(attention="flash", flash_block_q=4, flash_block_k=6, **ARCHITECTURES[options])
-    )
+    tiles = dict(flash_block_q=4, flash_block_k=6)
+    flash = GPT(tiny_config(**{**ARCHITECTURES[options], "attention": "flash", **tiles}))
     flash.load_state_dict(manual.state_dict())
     idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
     for model in (manual, flash):

@@ -11,7 +11,7 @@ import torch
 from model import ATTENTION_IMPLS, GPT
 from model.rope import RotaryTables
 from tests.conftest import tiny_config
-from tests.model.conftest import ARCHITECTURES
+from tests.model.conftest import ARCHITECTURES, random_projections
 
 
 def _cached_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def test_cached_steps_match_the_full_forward(attention, options):
     in every implementation's path (sdpa's explicit mask, flash's offset diagonal)."""
     torch.manual_seed(0)
     config = tiny_config(attention=attention, flash_block_q=3, flash_block_k=2)
-    model = GPT(dataclasses.replace(config, **ARCHITECTURES[options])).eval()
+    model = random_projections(GPT(dataclasses.replace(config, **ARCHITECTURES[options]))).eval()
     idx = torch.randint(0, 101, (2, 16))
     with torch.no_grad():
         full, _ = model(idx)

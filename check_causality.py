@@ -1,0 +1,81 @@
+"""Check that a model is causal: `python check_causality.py [key=value ...]`.
+
+The model is the one `python train.py` builds from the same overrides (shrunk by default), or a
+trained one: `checkpoint=<run dir | checkpoint dir | Hugging Face GPT-2 dir>`. Prints one line
+per check, then one JSON line; exit 0 when causal, 1 on a leak, 2 on a user error.
+See configs/check_causality.yaml and the README ("Changing the model").
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from base.errors import ConfigError, user_errors
+from core.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from core.device import resolve_device
+from model import ATTENTION_IMPLS, GPT, GPTConfig
+from model.causality import check_causality, shrunk_config
+from model.hf import load_hf_gpt2
+
+GPT2_VOCAB = 50257  # vocab_size: null at full size (only the tokenizer knows it; any size works)
+
+
+def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
+    """The model named by `checkpoint` (ours, or a Hugging Face GPT-2 directory), else the
+    config's model (shrunk unless shrink=false), freshly initialised; and a one-line
+    description of it."""
+    if cfg["checkpoint"] is None:
+        values = cfg["model"]
+        if cfg["shrink"]:
+            c = shrunk_config(values)
+            sizes = f"n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}"
+            return GPT(c), f"model: the config's, shrunk to {sizes} (options as configured)"
+        config = GPTConfig.from_dict({**values, "vocab_size": values["vocab_size"] or GPT2_VOCAB})
+        return GPT(config), f"model: the config's, full size ({config})"
+    path = Path(cfg["checkpoint"]).expanduser()
+    try:
+        ckpt = resolve_checkpoint(path)
+    except CheckpointError:
+        if not (path / "config.json").is_file():
+            raise
+        return load_hf_gpt2(path), f"model: Hugging Face GPT-2 weights from {path}"
+    return load_checkpoint(ckpt).model, f"model: checkpoint {ckpt}"
+
+
+def run(cfg: dict[str, Any]) -> int:
+    """Print the report; 0 when every check passes, 1 otherwise."""
+    for key in ("seq_len", "batch_size"):
+        low = 2 if key == "seq_len" else 1
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < low:
+            raise ConfigError(f"{key} must be an integer >= {low}, got {cfg[key]!r}")
+    if cfg["attention"] not in ("all", *ATTENTION_IMPLS):
+        raise ConfigError(f"attention must be all or one of {list(ATTENTION_IMPLS)}")
+    if not isinstance(cfg["shrink"], bool):
+        raise ConfigError(f"shrink must be true or false, got {cfg['shrink']!r}")
+    device = resolve_device(cfg["device"])
+    torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
+    model, description = model_to_check(cfg)
+    print(description)
+    attention = None if cfg["attention"] == "all" else (cfg["attention"],)
+    report = check_causality(
+        model.to(device), cfg["seq_len"], cfg["batch_size"], cfg["seed"], attention
+    )
+    print(report)  # a line per check, then the JSON summary
+    return 0 if report.causal else 1
+
+
+@hydra.main(config_path="configs", config_name="check_causality", version_base=None)
+def main(cfg: DictConfig) -> None:
+    with user_errors():
+        code = run(OmegaConf.to_container(cfg, resolve=True))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Negative controls: deliberately leaky edits of the model, made here (never in the shipped
+code) by patching its classes, so that every model built while the patch holds has the leak,
+the guard's and the command's included. Each must be caught by the report, by
+`check_causality.py` (exit 1) and by train.py's guard, and localised to the layer and sublayer
+that lets the future in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import check_causality
+from base.errors import ConfigError
+from model import GPT
+from model.attention import CausalSelfAttention
+from model.causality import check_causality as causality_report
+from model.causality import shrunk_config
+from model.gpt import Block
+from model.rope import RotaryTables
+from trainer.config import RunConfig
+from trainer.guard import causality_guard
+
+
+def _after_init(monkeypatch: pytest.MonkeyPatch, cls: type, edit: Callable) -> None:
+    """Patch cls so that edit(instance) runs at the end of its __init__."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        edit(self)
+
+    monkeypatch.setattr(cls, "__init__", patched)
+
+
+def _mask_in_layer(layer: int, diagonal: int | None) -> Callable:
+    """Layer `layer`'s mask: tril(diagonal) (1: one position ahead), or none at all."""
+
+    def edit(attn: CausalSelfAttention) -> None:
+        if attn.layer_idx == layer:
+            ones = torch.ones_like(attn.causal_mask)
+            attn.causal_mask = ones if diagonal is None else ones.tril(diagonal)
+
+    return edit
+
+
+class NeighbourMLP(nn.Module):
+    """An MLP whose output at t also gets its output at t + 1: a "token mixing" MLP."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)  # (B, T, C)
+        return y + 0.5 * y.roll(-1, dims=1)
+
+
+class SequenceNorm(nn.Module):
+    """A norm over the sequence and the channels together (the norm it replaces gives its
+    gain): every position sees every other."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.inner = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x - x.mean(dim=(1, 2), keepdim=True)  # (B, T, C) minus one mean per sequence
+        return x / x.std(dim=(1, 2), keepdim=True) * self.inner.weight
+
+
+def _replace(attr: str, wrapper: type, layer: int | None = None) -> Callable:
+    def edit(module: nn.Module) -> None:
+        if layer is None or module.attn.layer_idx == layer:
+            setattr(module, attr, wrapper(getattr(module, attr)))
+
+    return edit
+
+
+def _sdpa_without_mask_on_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sdpa given the cached path's explicit mask runs without any (right for one new token,
+    wrong for a chunk); the full forward's is_causal is kept."""
+    sdpa = F.scaled_dot_product_attention
+
+    def patched(q, k, v, attn_mask=None, **kwargs):
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
+
+
+def _rope_restarting_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call over the cache rotates its tokens from position 0, not from the cache's end."""
+    forward = RotaryTables.forward
+    monkeypatch.setattr(RotaryTables, "forward", lambda self, start, T: forward(self, 0, T))
+
+
+@dataclass
+class Control:
+    patch: Callable[[pytest.MonkeyPatch], None]
+    where: str  # the sublayer the report must name
+    catches: tuple[str, ...]  # the checks (of the model's own attention) that must fail
+    options: dict  # the model config's values
+
+
+FUTURE = ("perturbation (eval)", "jacobian (eval)", "kv-cache (eval)")
+TRAIN = ("perturbation (train, dropout 0.1)", "jacobian (train, dropout 0.1)")
+CONTROLS = {
+    "mask off by one": Control(
+        lambda mp: _after_init(mp, CausalSelfAttention, _mask_in_layer(1, diagonal=1)),
+        "layer 1 attn",
+        FUTURE + TRAIN,
+        {},
+    ),
+    "no mask": Control(
+        lambda mp: _after_init(mp, CausalSelfAttention, _mask_in_layer(0, diagonal=None)),
+        "layer 0 attn",
+        FUTURE + TRAIN,
+        {},
+    ),
+    "mask right for the full forward, wrong for the cache": Control(
+        _sdpa_without_mask_on_the_cache, "layer 0 attn", ("kv-cache (eval)",), {"attention": "sdpa"}
+    ),
+    "MLP mixing neighbouring positions": Control(
+        lambda mp: _after_init(mp, Block, _replace("mlp", NeighbourMLP, layer=1)),
+        "layer 1 mlp",
+        FUTURE + TRAIN,
+        {},
+    ),
+    "norm across the sequence in a block": Control(
+        lambda mp: _after_init(mp, Block, _replace("ln_2", SequenceNorm, layer=0)),
+        "layer 0 ln_2",
+        FUTURE + TRAIN,
+        {"norm": "rmsnorm"},
+    ),
+    "final norm across the sequence": Control(
+        lambda mp: _after_init(mp, GPT, lambda m: _replace("ln_f", SequenceNorm)(m.transformer)),
+        "ln_f",
+        FUTURE + TRAIN,
+        {},
+    ),
+    "rope positions restarting after the cache": Control(
+        _rope_restarting_at_zero, "layer 0 attn", ("kv-cache (eval)",), {"pos_embedding": "rope"}
+    ),
+}
+
+
+def _model_values(options: dict) -> dict:
+    """The `nano` preset as a run config holds it, with the control's options."""
+    from model import load_preset
+
+    return {**load_preset("nano"), **options}
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_the_report_catches_and_localises(control, monkeypatch):
+    c = CONTROLS[control]
+    c.patch(monkeypatch)
+    torch.manual_seed(0)
+    model = GPT(shrunk_config(_model_values(c.options)))
+    attention = model.config.attention
+    report = causality_report(model, attention=(attention,))
+    failed = {
+        check.name.removeprefix(f"{attention} ") for check in report.checks if not check.passed
+    }
+    assert failed == set(c.catches)
+    first_check, leak = report.first_leak
+    assert leak.where == c.where, report
+    for check in report.checks:
+        if check.leak is not None:
+            assert check.leak.where == c.where, check.line()  # every check agrees
+    if "kv-cache (eval)" in c.catches and len(c.catches) == 1:
+        assert str(leak).startswith(f"leak: {c.where}: cached output at t=")
+    else:
+        assert str(leak).startswith(f"leak: {c.where}: output at t=")
+        assert leak.source > leak.t
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_the_command_exits_1_naming_the_leak(control, monkeypatch, capsys):
+    c = CONTROLS[control]
+    c.patch(monkeypatch)
+    cfg = dict(
+        checkpoint=None,
+        model=_model_values(c.options),
+        shrink=True,
+        seq_len=8,
+        batch_size=2,
+        seed=0,
+        attention=c.options.get("attention", "manual"),
+        device="cpu",
+    )
+    assert check_causality.run(cfg) == 1
+    out = capsys.readouterr().out
+    assert f"leak: {c.where}: " in out and out.count(": FAIL") == len(c.catches)
+    assert '"causal": false' in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_the_guard_stops_training_naming_the_leak(control, monkeypatch):
+    c = CONTROLS[control]
+    c.patch(monkeypatch)
+    cfg = RunConfig.from_dict({"model": _model_values(c.options), "data": {}})
+    with pytest.raises(ConfigError) as error:
+        causality_guard(cfg, verbose=False)
+    message = str(error.value)
+    assert f"leak: {c.where}: " in message and "train.check_causality=false" in message
+    assert "\n" not in message

@@ -1,0 +1,108 @@
+"""`python check_causality.py`: every preset and shipped experiment (composed by Hydra as the
+command does, shrunk), trained checkpoints and Hugging Face GPT-2 directories, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import check_causality
+from core.checkpoint import save_checkpoint
+from model import GPT, preset_names
+from tests.conftest import tiny_config
+from tests.trainer.helpers import ROOT, run_script
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+
+def command_config(*overrides: str) -> dict:
+    """The config `python check_causality.py <overrides>` runs with."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return OmegaConf.to_container(compose("check_causality", list(overrides)), resolve=True)
+
+
+def run_command(capsys: pytest.CaptureFixture, *overrides: str) -> tuple[int, list[str], dict]:
+    code = check_causality.run(command_config(*overrides))
+    lines = capsys.readouterr().out.splitlines()
+    return code, lines, json.loads(lines[-1])
+
+
+def test_experiments_are_all_covered():
+    assert {"speedrun_cpu", "gpt2_124m_fineweb"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_preset_is_causal(preset, capsys):
+    """Each preset's options and head count at tiny width; 2 layers (depth repeats the same
+    code; the experiments below keep theirs)."""
+    code, lines, summary = run_command(capsys, f"model={preset}", "model.n_layer=2")
+    assert code == 0 and summary["causal"] and summary["first_leak"] is None
+    assert lines[0].startswith("model: the config's, shrunk to n_layer=2, ")
+    assert len(summary["checks"]) == 15 and sum(": pass" in line for line in lines) == 15
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_shipped_experiment_is_causal_as_shipped(experiment, capsys):
+    """Every option and layer of the experiment, at the shrunk width and vocabulary."""
+    cfg = command_config(f"experiment={experiment}")
+    code, lines, summary = run_command(capsys, f"experiment={experiment}")
+    assert code == 0 and summary["causal"]
+    assert f"shrunk to n_layer={cfg['model']['n_layer']}," in lines[0]
+    own = cfg["model"]["attention"]
+    assert next(iter(summary["checks"])) == f"{own} perturbation (eval)"
+
+
+def test_a_trained_checkpoint_and_its_run_dir(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=1))
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints" / "last", model, {}, {"step": 1})
+    for source in (ckpt, tmp_path / "run"):
+        code, lines, summary = run_command(capsys, f"checkpoint={source}", "attention=sdpa")
+        assert code == 0 and lines[0] == f"model: checkpoint {ckpt}"
+        assert list(summary["checks"])[0] == "sdpa perturbation (eval)"
+        assert len(summary["checks"]) == 5
+
+
+def test_a_hugging_face_gpt2_directory(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")  # a dev dependency; CI installs it
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    code, lines, summary = run_command(capsys, f"checkpoint={tmp_path / 'hf'}", "attention=manual")
+    assert code == 0 and lines[0] == f"model: Hugging Face GPT-2 weights from {tmp_path / 'hf'}"
+    assert summary["causal"]
+
+
+def test_full_size_builds_the_configs_model(capsys):
+    code, lines, _ = run_command(capsys, "model=nano", "shrink=false", "attention=manual")
+    assert code == 0 and "model: the config's, full size" in lines[0]
+    assert "n_embd=32" in lines[0] and "vocab_size=50257" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("checkpoint=/no/such/run", "error: no checkpoint found at /no/such/run"),
+        ("model.mlp=bogus", "error: model.mlp='bogus' is unknown"),
+        ("seq_len=1", "error: seq_len must be an integer >= 2, got 1"),
+        ("attention=fast", "error: attention must be all or one of"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(override, message, tmp_path):
+    result = run_script("check_causality.py", override, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith(message)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_the_command_as_a_user_runs_it_writes_nothing(tmp_path: Path):
+    result = run_script("check_causality.py", "model=nano", "attention=flash", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["causal"] is True
+    assert list(tmp_path.iterdir()) == []  # no outputs/ dir, no logs
