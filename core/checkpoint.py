@@ -305,3 +305,15 @@ def latest_checkpoint(runs_root: str | Path = "outputs", prefer: str = "best") -
             "or pass checkpoint=<run dir>"
         )
     return resolve_checkpoint(manifests[-1].parent.parent.parent, prefer)
+
+
+def resume_source(resume: str | None, run_dir: str | Path) -> Path | None:
+    """The checkpoint `train.resume` names: `auto` is `run_dir`'s `last` checkpoint, or None
+    when the run has none yet (then it starts from scratch); a path is resolved as above."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = Path(run_dir) / "checkpoints" / "last"
+        recover_interrupted_swap(last)
+        return last if (last / MANIFEST_FILE).is_file() else None
+    return resolve_checkpoint(resume, prefer="last")
