@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.checkpoint import resume_source, verify_checkpoint
 from core.errors import EXIT_USER_ERROR, ConfigError, user_errors
+from model import GPTConfig
 from trainer.config import RunConfig
 
 CONFIG_NAME = "train"
@@ -63,15 +64,23 @@ def run_config(
     the key. So `python train.py hydra.run.dir=<dir> train.resume=auto` continues a run as it
     was started, whatever overrides that took."""
     composed = _resolved(cfg)
-    RunConfig.from_dict(composed)  # a bad value is named as typed, before any comparison
+    _validated(composed)  # a bad value is named as typed, before any comparison
     resume = composed["train"].get("resume")
     saved = saved_config(resume, run_dir) if resume is not None else None
     if saved is None:
-        return RunConfig.from_dict(composed), composed
+        return _validated(composed), composed
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
     defaults = _resolved(compose(config_name=CONFIG_NAME))
     resolved = resumed_config(saved, composed, defaults, keys, resume)
-    return RunConfig.from_dict(resolved), resolved
+    return _validated(resolved), resolved
+
+
+def _validated(resolved: dict[str, Any]) -> RunConfig:
+    """RunConfig checks every section; the model's fields are checked by GPTConfig (with the
+    vocabulary size the tokenizer fills in later taken as valid)."""
+    model = resolved.get("model") or {}
+    GPTConfig.from_dict({**model, "vocab_size": model.get("vocab_size") or 1})
+    return RunConfig.from_dict(resolved)
 
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
