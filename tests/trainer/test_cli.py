@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from core.errors import ConfigError
-from tests.trainer.helpers import compose_run
+from model import load_preset
+from tests.trainer.helpers import CONFIGS, compose_run
 from trainer.cli import resumed_config, saved_config
 
 
@@ -69,3 +71,11 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_its_hydra_config(tmp_
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(SAVED, tmp_path / ".hydra" / "config.yaml")
     assert saved_config("auto", tmp_path) == SAVED
+
+
+@pytest.mark.parametrize("preset", ["nano", "mini", "gpt2"])
+def test_train_py_trains_each_preset_at_its_own_context(preset):
+    """configs/train.yaml sets no block_size over the preset's (it once made nano 128, not 64)."""
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        trained = compose("train", overrides=[f"model={preset}"])
+    assert trained.model.block_size == load_preset(preset)["block_size"]
