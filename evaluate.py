@@ -2,14 +2,14 @@
 
 import json
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import user_errors
+from core.entry import hydra_main
 from trainer.evaluation import evaluate_checkpoint
 
 
-@hydra.main(config_path="configs", config_name="evaluate", version_base=None)
+@hydra_main("evaluate")
 def main(cfg: DictConfig) -> None:
     with user_errors():
         result = evaluate_checkpoint(OmegaConf.to_container(cfg, resolve=True))

@@ -2,13 +2,13 @@
 
 import sys
 
-import hydra
 from omegaconf import DictConfig
 
+from core.entry import hydra_main
 from inference.cli import main
 
 
-@hydra.main(config_path="configs", config_name="sample", version_base=None)
+@hydra_main("sample")
 def sample(cfg: DictConfig) -> None:
     sys.exit(main(cfg))
 

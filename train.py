@@ -2,26 +2,32 @@
 
 import sys
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from base.errors import user_errors
 from core.checkpoint import CheckpointError
+from core.entry import hydra_main
 from core.run_lock import acquire_run_lock
-from trainer.cli import run_config
+from trainer.cli import run_config, write_run_files
 from trainer.distributed import DistInfo
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 
 
-@hydra.main(config_path="configs", config_name="train", version_base=None)
+@hydra_main("train")
 def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir, overrides = hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task)
     with user_errors():
-        settings, resolved = run_config(cfg)
-        run_dir = HydraConfig.get().runtime.output_dir
+        settings, resolved = run_config(cfg, run_dir, overrides)
+        # Nothing has been written to the run dir yet (Hydra made it, if it was missing): take
+        # the lock on it now. The Trainer repairs, checks and resumes what is there.
         if DistInfo.from_env().is_main:  # one owner per run dir: rank 0, for the whole job
             acquire_run_lock(run_dir)
         trainer = Trainer(settings, run_dir, resolved)
+    if trainer.dist.is_main:  # only now: a failed or refused attempt leaves a run's files alone
+        continues = settings.train.resume == "auto"
+        write_run_files(run_dir, resolved, overrides, hydra_cfg, continues)
     try:
         trainer.run()
     except TrainingInterrupted as e:

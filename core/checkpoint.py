@@ -484,3 +484,14 @@ def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, newest: str) -> list
 def checkpoint_bytes(path: str | Path) -> int:
     """The size on disk of a checkpoint's files."""
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+def resume_source(resume: str | None, run_dir: str | Path) -> Path | None:
+    """The checkpoint `train.resume` names: `auto` is `run_dir`'s `last` checkpoint, or None
+    when the run has none yet (then it starts from scratch); a path is resolved as above."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = Path(run_dir) / "checkpoints" / "last"
+        return last if is_complete(last) else None
+    return resolve_checkpoint(resume, prefer="last")

@@ -78,7 +78,9 @@ set +e; wait "$PID"; CODE=$?; set -e
 expect stop.out 'Resume with: python train.py hydra.run.dir=.*runs/stop train.resume=auto' "the resume hint"
 STOPPED=$(sed -nE 's/^stopped by signal 2 at step ([0-9]+);.*/\1/p' stop.out)
 [ -n "$STOPPED" ] || { cat stop.out; fail "no 'stopped by signal 2 at step N' line"; }
-python train.py "${FAST[@]}" train.max_steps=$((STOPPED + 10)) hydra.run.dir=runs/stop train.resume=auto > resume.out 2>&1 || { cat resume.out; fail "resume exited $?"; }
+# The printed command as it is (it restores the run's overrides), with a longer budget.
+RESUME=$(sed -nE 's/.*Resume with: (.*)$/\1/p' stop.out)
+eval "$RESUME train.max_steps=$((STOPPED + 10))" > resume.out 2>&1 || { cat resume.out; fail "resume exited $?"; }
 expect resume.out "^resumed from .*runs/stop/checkpoints/last at step $STOPPED\$" "resume"
 expect resume.out "^done: $((STOPPED + 10)) steps" "resume"
 
@@ -91,5 +93,9 @@ set +e; python train.py train.batch_size=abc > bad.out 2>&1; CODE=$?; set -e
 [ "$CODE" -eq 2 ] || { cat bad.out; fail "a bad override exited $CODE, expected 2"; }
 [ "$(wc -l < bad.out)" -eq 1 ] || { cat bad.out; fail "a bad override printed more than one line"; }
 expect bad.out '^error: train.batch_size must be a positive integer' "the bad override's message"
+set +e; python train.py train.bogus=1 > bad.out 2>&1; CODE=$?; set -e
+[ "$CODE" -eq 2 ] && [ "$(wc -l < bad.out)" -eq 1 ] || { cat bad.out; fail "an unknown key: exit $CODE"; }
+expect bad.out '^error: unknown config key train.bogus' "the unknown key's message"
+[ ! -e outputs ] || fail "a failed attempt left a run dir under outputs/"
 
 printf '\nREADME walk passed (%s)\n' "$WORK"

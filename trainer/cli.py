@@ -1,32 +1,209 @@
-"""train.py's Hydra glue: the validated run config, and a run directory checked before use."""
+"""train.py's Hydra glue: the validated run config (a resume's restored from the run it continues),
+checked before Hydra creates the run directory, and the `.hydra/` files written once it starts.
+
+The order of a `python train.py` run, so that a mistake leaves nothing behind and a failed or
+refused attempt never overwrites a run's files:
+1. Hydra composes the config (its own errors: core/entry.py);
+2. `ValidateBeforeRunDir.on_run_start` validates it (`run_config`) before Hydra creates the run
+   directory (configs/train.yaml sets hydra.output_subdir to null: Hydra writes nothing there);
+3. train.py's main validates again (the same function), builds the Trainer, and only then
+   writes `.hydra/` (`write_run_files`).
+"""
 
 from __future__ import annotations
 
+import copy
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra import compose
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import EXIT_USER_ERROR
+from base.errors import EXIT_USER_ERROR, ConfigError, user_errors
+from core.checkpoint import resume_source, verify_checkpoint
+from model import GPTConfig
 from trainer.config import RunConfig
 
+CONFIG_NAME = "train"
+HYDRA_DIR = ".hydra"
 
-def run_config(cfg: DictConfig) -> tuple[RunConfig, dict]:
-    """The validated run config and the resolved plain tree (saved with checkpoints)."""
+# What a resumed run may change: how long it runs, how often it evaluates, logs and saves, where
+# it runs and how it is tracked. Everything else (the model, the data and its order, the
+# optimizer and its schedule) is the resumed run's.
+RESUMABLE = (
+    "train.max_steps",
+    "train.max_seconds",
+    "train.eval_interval",
+    "train.eval_steps",
+    "train.ckpt_interval",
+    "train.keep_checkpoints",
+    "train.log_interval",
+    "train.on_nan",
+    "train.sample_tokens",
+    "train.skip_memory_check",
+    "train.check_causality",
+    "train.resume",
+    "wandb",
+    "parallel",
+    "device",
+    "dtype",
+    "compile",
+)
+_UNSET = object()
+
+
+def run_config(
+    cfg: DictConfig, run_dir: str | Path, overrides: list[str]
+) -> tuple[RunConfig, dict[str, Any]]:
+    """The validated run config and its resolved plain tree (saved in .hydra/ and checkpoints).
+
+    With train.resume, the config is the resumed run's (`saved_config`), plus this command's
+    overrides of RESUMABLE keys; an override that changes anything else is a ConfigError naming
+    the key. So `python train.py hydra.run.dir=<dir> train.resume=auto` continues a run as it
+    was started, whatever overrides that took."""
+    composed = _resolved(cfg)
+    _validated(composed)  # a bad value is named as typed, before any comparison
+    resume = composed["train"].get("resume")
+    saved = saved_config(resume, run_dir) if resume is not None else None
+    if saved is None:
+        return _validated(composed), composed
+    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
+    defaults = _resolved(compose(config_name=CONFIG_NAME))
+    resolved = resumed_config(saved, composed, defaults, keys, resume)
+    return _validated(resolved), resolved
+
+
+def _validated(resolved: dict[str, Any]) -> RunConfig:
+    """RunConfig checks every section; the model's fields are checked by GPTConfig (with the
+    vocabulary size the tokenizer fills in later taken as valid)."""
+    model = resolved.get("model") or {}
+    GPTConfig.from_dict({**model, "vocab_size": model.get("vocab_size") or 1})
+    return RunConfig.from_dict(resolved)
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     resolved.pop("hydra", None)
-    return RunConfig.from_dict(resolved), resolved
+    return resolved
 
 
-class CheckRunDir(Callback):
-    """Hydra callback (configs/train.yaml): a run directory that cannot be written is one
-    `error:` line and exit code 2, before Hydra writes its config and log there (which would
-    fail with a traceback) and long before the first checkpoint."""
+def saved_config(resume: str, run_dir: str | Path) -> dict[str, Any] | None:
+    """The config of the run `train.resume` continues: its checkpoint's; for `auto` in a run
+    stopped before its first checkpoint, its `.hydra/config.yaml`; None for a new run dir."""
+    source = resume_source(resume, run_dir)
+    if source is not None:
+        return verify_checkpoint(source)["run"]
+    saved = Path(run_dir) / HYDRA_DIR / "config.yaml"
+    return OmegaConf.to_container(OmegaConf.load(saved), resolve=True) if saved.is_file() else None
+
+
+def resumed_config(
+    saved: dict[str, Any],
+    composed: dict[str, Any],
+    defaults: dict[str, Any],
+    override_keys: list[str],
+    resume: str,
+) -> dict[str, Any]:
+    """`saved` with what this command changes applied: the keys its overrides name
+    (`override_keys`: `train.max_steps`, or a group such as `model`) and the keys they change
+    from the `defaults` (a recipe such as `experiment=...` changes many). A change to a key
+    outside RESUMABLE is a ConfigError naming it."""
+    new, old, base = _flatten(composed), _flatten(saved), _flatten(defaults)
+    touched = {p for p in new.keys() | base.keys() if new.get(p, _UNSET) != base.get(p, _UNSET)}
+    touched |= {p for p in new.keys() | old.keys() for k in override_keys if _under(p, k)}
+    result = copy.deepcopy(saved)
+    for path in sorted(touched):
+        value = new.get(path, _UNSET)
+        if value == old.get(path, _UNSET):
+            continue
+        if not any(_under(path, k) for k in RESUMABLE):
+            raise ConfigError(
+                f"cannot resume with {path}={_show(value)}: the run resumed "
+                f"(train.resume={resume}) has {path}={_show(old.get(path, _UNSET))}, and a "
+                f"resumed run keeps its model, data and optimizer; drop the override (a resume "
+                f"may change {', '.join(RESUMABLE)}) or start a new run"
+            )
+        _set(result, path.split("."), value)
+    return result
+
+
+def _under(path: str, key: str) -> bool:
+    return path == key or path.startswith(key + ".")
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is _UNSET else repr(value)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and empty dicts are values."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _set(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        if not isinstance(tree.get(key), dict):
+            tree[key] = {}
+        tree = tree[key]
+    if value is _UNSET:
+        tree.pop(path[-1], None)
+    else:
+        tree[path[-1]] = value
+
+
+def write_run_files(
+    run_dir: str | Path,
+    resolved: dict[str, Any],
+    overrides: list[str],
+    hydra_cfg: DictConfig,
+    continues: bool,
+) -> None:
+    """What Hydra would write to `<run_dir>/.hydra/`: config.yaml (the run's resolved config),
+    overrides.yaml and hydra.yaml, each replaced atomically. A run that `continues` this run
+    dir (train.resume=auto) lists its earlier overrides first, so that the overrides, applied
+    in order, still compose config.yaml."""
+    out = Path(run_dir) / HYDRA_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    earlier = out / "overrides.yaml"
+    if continues and earlier.is_file():
+        overrides = [*OmegaConf.to_container(OmegaConf.load(earlier)), *overrides]
+    _write_atomic(out / "config.yaml", OmegaConf.to_yaml(resolved))
+    _write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(overrides))
+    _write_atomic(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ValidateBeforeRunDir(Callback):
+    """Hydra callback (configs/train.yaml): a bad config is one `error:` line and exit code 2
+    before Hydra creates the run directory, so failed attempts leave nothing behind; and a
+    run directory that cannot be written is one line too, long before the first checkpoint.
+    (A sweep's runs are validated by train.py itself, in their own directories.)"""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+        with user_errors():
+            run_config(task, config.hydra.run.dir, list(config.hydra.overrides.task))
         _check_writable(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

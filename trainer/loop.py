@@ -30,10 +30,9 @@ from core.checkpoint import (
     CheckpointError,
     check_writable,
     checkpoint_bytes,
-    is_complete,
     load_checkpoint,
     prune_step_checkpoints,
-    resolve_checkpoint,
+    resume_source,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -220,7 +219,7 @@ class Trainer:
     def _resume_checkpoint(self) -> Checkpoint | None:
         """The checkpoint to resume from, if any (every rank reads it: the run directory must
         be on a filesystem that all nodes share)."""
-        source = self._resume_source()
+        source = resume_source(self.cfg.train.resume, self.run_dir)
         if source is None:
             return None
         ckpt = load_checkpoint(source, with_trainer_state=True)
@@ -259,15 +258,6 @@ class Trainer:
             return float(verify_checkpoint(self.ckpt_dir / "best")["meta"]["val_loss"])
         except (CheckpointError, OSError, KeyError, TypeError, ValueError):
             return math.inf
-
-    def _resume_source(self) -> Path | None:
-        resume = self.cfg.train.resume
-        if resume is None:
-            return None
-        if resume == "auto":  # continue this run directory if it has a checkpoint
-            last = self.ckpt_dir / "last"
-            return last if is_complete(last) else None
-        return resolve_checkpoint(resume, prefer="last")
 
     def _trainer_state(self) -> dict[str, Any]:
         """Rank 0's trainer state; under FSDP every rank must call (the optimizer is gathered)."""

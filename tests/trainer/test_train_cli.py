@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
-import threading
+from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from core.checkpoint import load_checkpoint
-from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, run_script
+from tests.trainer.helpers import ROOT, TINY, run_script
 
 
 def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path, corpus):
@@ -24,6 +30,10 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path
     assert load_checkpoint(run_dir / "checkpoints" / "best").meta["step"] in (6, 12)
     assert "warn" not in (result.stdout + result.stderr).lower()
     assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "checkpoints"]  # no train.log
+    saved = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
+    assert saved == load_checkpoint(run_dir / "checkpoints" / "last").run_config
+    assert list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == [*TINY, *corpus]
 
 
 @pytest.mark.parametrize(
@@ -32,64 +42,105 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path
         ("train.batch_size=abc", "error: train.batch_size must be a positive integer"),
         ("optim.lr=-1", "error: optim.lr must be"),
         ("train.resume=/no/such/run", "error: no checkpoint found at /no/such/run"),
-        ("data=nonesuch", "nonesuch"),
-        ("train.bogus=1", "bogus"),
+        ("data=nonesuch", "error: data=nonesuch is not in configs/data/; choose one of: "),
+        ("train.bogus=1", "error: unknown config key train.bogus; known keys: "),
         ("model.mlp=bogus", "error: model.mlp='bogus' is unknown; choose one of"),
     ],
 )
 def test_bad_input_is_one_clear_error_without_traceback(tmp_path, corpus, override, expected):
     result = run_script("train.py", *TINY, *corpus, override, cwd=tmp_path)
-    assert result.returncode != 0
-    assert expected in result.stderr
-    assert "Traceback" not in result.stderr
-    if expected.startswith("error:"):  # our own validation: exactly one line, exit code 2
-        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith(expected), result.stderr
+    assert not (tmp_path / "outputs").exists()  # a failed attempt leaves no run dir
 
 
-def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path, corpus):
-    run_dir = tmp_path / "run"
-    args = [
-        *TINY,
-        *corpus,
-        "train.max_steps=100000",
-        "train.ckpt_interval=0",
-        "train.eval_interval=0",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=tmp_path,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**__import__("os").environ, "WANDB_MODE": "disabled"},
-    )
-    # Wait on an event, the step 3 line (or the end of its output, if it dies first), not on
-    # the clock; the watchdog only turns a hang into a failure (HANG_SECONDS).
-    watchdog = threading.Timer(HANG_SECONDS, proc.kill)
-    watchdog.start()
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
+def _files(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def _interrupt(args: list[str], cwd: Path) -> tuple[int, str]:
+    """Run `python train.py <args>` and send SIGTERM once it prints `step 3`; return its exit
+    status and stderr. Its stdout is a pipe of known capacity that is not read after `step 3`
+    until the signal is sent: every step prints a line, so the run cannot get more than
+    capacity / 55 steps past step 3 before the signal is in (it blocks on the full pipe: a
+    progress line, `step 4 | loss 5.55 lr 0.003 grad_norm 2.36 tok/s 130 | eta 0:01`, has more
+    than 55 bytes)."""
+    read_end, write_end = os.pipe()
+    if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux: a one-page pipe keeps the run short
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    with open(cwd / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            cwd=cwd,
+            stdout=write_end,
+            stderr=err,
+            env={**os.environ, "WANDB_MODE": "disabled"},
+        )
+    os.close(write_end)
+    with os.fdopen(read_end) as out:
+        for line in out:
             if line.startswith("step 3 "):
                 break
-        assert lines and lines[-1].startswith("step 3 "), "".join(lines) + proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate()
-    finally:
-        watchdog.cancel()
-    assert proc.returncode == 128 + signal.SIGTERM
-    assert "Resume with: python train.py" in err and "Traceback" not in err
-    step = load_checkpoint(run_dir / "checkpoints" / "last", with_trainer_state=True).meta["step"]
-    assert step >= 3
+        out.read()  # let it finish the step, save and exit
+    return proc.wait(timeout=300), (cwd / "stderr.txt").read_text()
 
-    resumed = run_script(
-        "train.py", *args, "train.resume=auto", f"train.max_steps={step + 2}", cwd=tmp_path
+
+def _pipe_capacity() -> int:
+    return 4096 if hasattr(fcntl, "F_SETPIPE_SZ") else 65536
+
+
+def test_an_interrupted_run_resumes_verbatim_from_the_printed_command(tmp_path, corpus):
+    """The issue's run: overrides (a byte tokenizer, a tiny model) that the printed resume
+    command does not repeat. Run verbatim, it continues the same run and ends exactly where an
+    uninterrupted run does; a resume that would change the model is refused, touching nothing."""
+    steps = 3 + _pipe_capacity() // 55 + 2  # more than the run can take before the signal is in
+    args = [*TINY, *corpus, "data.tokenizer=bytes", f"train.max_steps={steps}"]
+    args += ["train.eval_interval=0", "train.ckpt_interval=0"]
+    straight = run_script(
+        "train.py", *args, f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path, timeout=600
+    )
+    assert straight.returncode == 0, straight.stderr
+
+    run_dir = tmp_path / "b"
+    code, err = _interrupt([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
+    stopped = load_checkpoint(run_dir / "checkpoints" / "last").meta["step"]
+    assert 3 <= stopped < steps
+    command = shlex.split(re.search(r"Resume with: (.+)$", err, re.MULTILINE).group(1))
+    assert command[0] == "python" and command[2:] == [
+        f"hydra.run.dir={run_dir}",
+        "train.resume=auto",
+    ]
+
+    before = _files(run_dir)
+    refused = run_script(*command[1:], "model.n_layer=3", cwd=ROOT)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: cannot resume with model.n_layer=3: ")
+    assert _files(run_dir) == before  # .hydra/, checkpoints: nothing of the run was touched
+
+    resumed = subprocess.run(
+        [sys.executable, *command[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / 'last'} at step {step}" in resumed.stdout
-    assert json.loads(resumed.stdout.strip().splitlines()[-1])["step"] == step + 2
+    assert f"resumed from {run_dir / 'checkpoints' / 'last'} at step {stopped}" in resumed.stdout
+    summaries = [json.loads(r.stdout.strip().splitlines()[-1]) for r in (straight, resumed)]
+    assert summaries[0]["step"] == summaries[1]["step"] == steps
+    assert summaries[0]["val_loss"] == summaries[1]["val_loss"]
+    weights = [
+        load_checkpoint(d / "checkpoints" / "last").model.state_dict()
+        for d in (tmp_path / "a", run_dir)
+    ]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    overrides = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+    assert list(overrides) == [*args, "train.resume=auto"]  # in order, they compose config.yaml
 
 
 def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):

@@ -1,0 +1,60 @@
+"""Hydra's own errors (core/entry.py) are one `error:` line and exit code 2 in every entry point,
+and a train.py run that fails before it starts leaves no run directory behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer.helpers import run_script
+
+PRESETS = "gpt2, gpt2-large, gpt2-medium, gpt2-xl, mini, nano"
+
+
+def assert_one_error_line(result, expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(expected), result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "train.bogus=1",  # an unknown key: its section's keys are listed
+            "error: unknown config key train.bogus; known keys: train.batch_size, "
+            "train.ckpt_interval,",
+        ),
+        ("train.batch_size=[1", "error: cannot parse the override 'train.batch_size=[1'"),
+        ("train.batch_size=", "error: train.batch_size must be a positive integer, got ''"),
+        (
+            "model=no_such_preset",  # an unknown group option: the valid choices are listed
+            f"error: model=no_such_preset is not in configs/model/; choose one of: {PRESETS}\n",
+        ),
+        ("~train.nothing", "error: Could not delete from config. 'train.nothing' does not exist."),
+    ],
+)
+def test_hydra_errors_in_train_py_are_one_line_and_leave_no_run_dir(tmp_path, override, expected):
+    result = run_script("train.py", override, cwd=tmp_path)
+    assert_one_error_line(result, expected)
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/ for a failed attempt
+
+
+@pytest.mark.parametrize("script", ["sample.py", "evaluate.py"])
+def test_hydra_errors_in_sample_and_evaluate_are_one_line(tmp_path, script):
+    result = run_script(script, "bogus=1", cwd=tmp_path)
+    assert_one_error_line(result, "error: unknown config key bogus; known keys: ")
+    assert "checkpoint" in result.stderr  # the script's own keys are the ones listed
+    # train.py's config groups are not sample.py's: a group override is an unknown key
+    result = run_script(script, "model=gpt2", cwd=tmp_path)
+    assert_one_error_line(result, f"error: unknown config key model; `python {script} --help`")
+
+
+def test_help_lists_only_the_keys_each_script_accepts(tmp_path):
+    for script in ("sample.py", "evaluate.py"):
+        result = run_script(script, "--help", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "checkpoint: null" in result.stdout
+        assert "Configuration groups" not in result.stdout and "gpt2-xl" not in result.stdout
+    control = run_script("train.py", "--help", cwd=tmp_path)  # train.py does take the groups
+    assert f"model: {PRESETS}" in control.stdout

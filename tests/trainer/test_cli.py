@@ -1,0 +1,81 @@
+"""A resume takes the resumed run's saved config (trainer/cli.py); only RESUMABLE keys change."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from base.errors import ConfigError
+from model import load_preset
+from tests.trainer.helpers import CONFIGS, compose_run
+from trainer.cli import resumed_config, saved_config
+
+
+def config(*overrides: str) -> dict:
+    return compose_run([], *overrides)[1]
+
+
+SAVED = config("model.n_layer=3", "data.tokenizer=bytes", "train.max_steps=20")
+DEFAULTS = config()
+
+
+def resume_with(*overrides: str) -> dict:
+    """What `python train.py train.resume=auto <overrides>` (after helpers.TINY) continues."""
+    composed = config("train.resume=auto", *overrides)
+    keys = ["train.resume", *(o.split("=")[0] for o in overrides)]
+    return resumed_config(SAVED, composed, DEFAULTS, keys, "auto")
+
+
+def test_the_saved_config_is_kept_where_the_command_changes_nothing():
+    resumed = resume_with()
+    assert resumed == {**SAVED, "train": {**SAVED["train"], "resume": "auto"}}
+    assert resumed["model"]["n_layer"] == 3 and resumed["data"]["tokenizer"] == "bytes"
+
+
+def test_overrides_of_resumable_keys_apply():
+    resumed = resume_with("train.max_steps=40", "train.eval_interval=5", "wandb.mode=offline")
+    assert resumed["train"]["max_steps"] == 40 and resumed["train"]["eval_interval"] == 5
+    assert resumed["wandb"]["mode"] == "offline"
+    assert resumed["model"] == SAVED["model"]
+
+
+def test_an_override_equal_to_the_saved_value_is_accepted():
+    assert resume_with("model.n_layer=3", "data.tokenizer=bytes")["model"]["n_layer"] == 3
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.n_layer=2", "model.n_layer"),
+        ("optim.lr=0.01", "optim.lr"),
+        ("train.batch_size=2", "train.batch_size"),
+        ("seed=1", "seed"),
+        ("data.tokenizer=gpt2", "data.tokenizer"),  # the default value: still a change
+        ("optim=muon", "optim.muon_lr"),  # a group: every key it changes is checked
+    ],
+)
+def test_changes_to_the_model_data_or_optimizer_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^cannot resume with {key}=.* the run resumed"):
+        resume_with(override)
+
+
+def test_a_recipe_that_changes_the_model_is_refused():
+    composed = config("train.resume=auto", "experiment=speedrun_cpu")
+    with pytest.raises(ConfigError, match=r"cannot resume with data.tokenizer='bpe-1024'"):
+        resumed_config(SAVED, composed, DEFAULTS, ["train.resume", "experiment"], "auto")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_its_hydra_config(tmp_path):
+    assert saved_config("auto", tmp_path) is None  # a new run dir: nothing to restore
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(SAVED, tmp_path / ".hydra" / "config.yaml")
+    assert saved_config("auto", tmp_path) == SAVED
+
+
+@pytest.mark.parametrize("preset", ["nano", "mini", "gpt2"])
+def test_train_py_trains_each_preset_at_its_own_context(preset):
+    """configs/train.yaml sets no block_size over the preset's (it once made nano 128, not 64)."""
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        trained = compose("train", overrides=[f"model={preset}"])
+    assert trained.model.block_size == load_preset(preset)["block_size"]
