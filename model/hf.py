@@ -70,17 +70,22 @@ def load_hf_gpt2(
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     vocab_size, n_embd = sd["wte.weight"].shape
     n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
-    config = GPTConfig(
+    shape = dict(  # what the weights themselves say: an override may repeat it, not change it
         vocab_size=vocab_size,
         block_size=sd["wpe.weight"].shape[0],
         n_layer=n_layer,
-        n_head=n_head,
         n_embd=n_embd,
         bias="ln_f.bias" in sd,
         tie_embeddings="lm_head.weight" not in sd
         or bool(torch.equal(sd["lm_head.weight"], sd["wte.weight"])),
-        **overrides,
     )
+    for key, value in overrides.items():
+        if key in shape and value != shape[key]:
+            raise ValueError(
+                f"model.{key}={value!r} does not match the weights, which have "
+                f"model.{key}={shape[key]!r}"
+            )
+    config = GPTConfig(**{**shape, **overrides, "n_head": n_head})
     model = GPT(config)
     ours = model.state_dict()
     for key, target in ours.items():
