@@ -18,7 +18,7 @@ from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoi
 from core.device import resolve_device, resolve_dtype
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
-from inference.text import TextStream
+from inference.text import TextStream, decode_escapes
 from model import GPT
 
 SEPARATOR = "---------------"
@@ -81,7 +81,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
     max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
     seed = _int_at_least("seed", cfg["seed"], 0)
-    stop = [str(s) for s in (cfg["stop"] or [])]
+    stop = [decode_escapes(str(s)) for s in (cfg["stop"] or [])]
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)

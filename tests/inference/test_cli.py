@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from core.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
-from inference.cli import main, run
+from inference.cli import SEPARATOR, main, run
+from inference.text import decode_escapes
 
 SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
 
@@ -74,6 +75,29 @@ def test_a_stop_string_ends_the_sample_before_it(run_dir, sample_cfg, capsys):
         )
     )
     assert stopped == full[: full.index(stop)]
+
+
+def test_the_readmes_blank_line_stop_ends_the_sample_at_the_first_blank_line(
+    blank_line_run, tmp_path
+):
+    """`'stop=["\\n\\n"]'` as the README writes it: the shell passes backslash-n, which is
+    decoded. The control, without the stop, shows that the model does write blank lines."""
+    args = [f"checkpoint={blank_line_run}", "prompt=two", "max_new_tokens=8", "temperature=0"]
+    control = sample_py(*args, cwd=tmp_path)
+    assert control.returncode == 0, control.stderr
+    assert control.stdout.startswith("two one\n\ntwo one\n\ntwo")
+
+    stopped = sample_py(*args, r'stop=["\n\n"]', cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == "two one\n" + SEPARATOR + "\n"
+
+
+def test_escapes_in_stop_strings_are_decoded_and_other_backslashes_kept():
+    assert decode_escapes(r"\n\n") == "\n\n"
+    assert decode_escapes(r"\t|\r|\u00e9") == "\t|\r|\u00e9"
+    assert decode_escapes(r"a\\nb") == "a\\nb"  # an escaped backslash, then n
+    assert decode_escapes(r"C:\data \d") == r"C:\data \d"
+    assert decode_escapes("é\n") == "é\n"  # already decoded text is unchanged
 
 
 def test_an_empty_prompt_starts_from_end_of_text_and_streams(run_dir, sample_cfg, capsys):
