@@ -351,6 +351,11 @@ class Trainer:
             enabled=self.dist.is_main,
         )
         self.state.wandb_id = self.tracker.run_id
+        # Samples are generated only for a tracker that records them: by every rank (under FSDP
+        # each forward is a collective), as rank 0's tracker decides (wandb.mode or WANDB_MODE).
+        self.records_samples = bool(self.cfg.train.sample_tokens) and from_main(
+            self.tracker.run is not None
+        )
         self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
         ranks = f", {world} ranks ({cfg.parallel.strategy})" if self.dist.enabled else ""
         self.progress.message(
@@ -451,9 +456,7 @@ class Trainer:
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
         self.tracker.log(result.metrics("val"), self.state.step)
-        # Every rank generates: under FSDP each forward is a collective. wandb.mode=disabled is
-        # the one setting in which rank 0's tracker has no run.
-        if self.cfg.wandb.mode != "disabled" and self.cfg.train.sample_tokens:
+        if self.records_samples:
             self.tracker.log_samples(self._samples(), self.state.step)
         return result
 

@@ -243,3 +243,42 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
         rows = json.loads(file.read_text())
         assert rows["columns"] == ["step", "prompt", "completion"] and len(rows["data"]) == 2
         assert all(isinstance(completion, str) for _, _, completion in rows["data"])
+
+
+class RecordingTracker:
+    """A tracker with a run (as wandb online or offline would have) that keeps the samples."""
+
+    def __init__(self, *args, **kwargs):
+        self.run, self.run_id, self.location, self.sample_steps = "run", None, "wandb: fake", []
+
+    def log_samples(self, samples, step):
+        self.sample_steps.append(step)
+
+    def log(self, *args): ...
+    def summary(self, *args): ...
+    def finish(self, *args): ...
+
+
+@pytest.mark.parametrize(
+    "mode, env, recorded",
+    [("disabled", None, False), ("auto", "disabled", False), ("offline", None, True)],
+)
+def test_samples_are_generated_only_when_a_tracker_records_them(
+    tmp_path, corpus, monkeypatch, mode, env, recorded
+):
+    """wandb.mode=disabled, or WANDB_MODE=disabled under wandb.mode=auto: no generation at all
+    (it would be thrown away). Control: a tracker with a run gets one table per evaluation."""
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    if recorded:
+        monkeypatch.setattr("trainer.loop.Tracker", RecordingTracker)
+    trainer = make_trainer(tmp_path, corpus, f"wandb.mode={mode}")
+    generations = []
+    original = trainer._samples
+    trainer._samples = lambda: generations.append(trainer.state.step) or original()
+    trainer.run()
+    assert generations == ([6, 12] if recorded else [])
+    if recorded:
+        assert trainer.tracker.sample_steps == [6, 12]
