@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from core.checkpoint import load_checkpoint
+from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import ROOT, TINY, run_script
 
 
@@ -103,3 +105,26 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         for i in (0, 1)
     )
     assert lrs == [1e-3, 3e-3]
+
+
+def test_one_text_file_trains_as_in_nanogpt(tmp_path):
+    """`python train.py data=text 'data.train_files=[input.txt]'`: the last 10% of the file is
+    the validation split (it once needed two documents)."""
+    (tmp_path / "input.txt").write_text((PLAYS / "tragedies" / "hamlet.md").read_text()[:30_000])
+    run_dir = tmp_path / "run"
+    result = run_script(
+        "train.py",
+        *TINY,
+        "data=text",
+        "data.train_files=[input.txt]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=2",
+        "train.eval_interval=0",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    sizes = re.search(r"data: text \(gpt2\), ([\d,]+) train / ([\d,]+) val", result.stdout)
+    train, val = sizes.groups()
+    assert 0.05 < int(val.replace(",", "")) / int(train.replace(",", "")) < 0.15
+    assert json.loads(result.stdout.strip().splitlines()[-1])["step"] == 2
