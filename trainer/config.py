@@ -59,6 +59,8 @@ class TrainSettings:
     resume: str | None = None  # null | auto | a checkpoint or run directory
     on_nan: str = "stop"  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int = 64  # tokens per sample generation logged at each evaluation (0: none)
+    # the evaluation at the end: whole | periodic (the eval_steps subset) | none
+    final_eval: str = "whole"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
@@ -70,6 +72,7 @@ class TrainSettings:
         if self.resume is not None and not isinstance(self.resume, str):
             raise ConfigError(f"train.resume must be null, auto or a path, got {self.resume!r}")
         _choice("train.on_nan", self.on_nan, ("stop", "skip"))
+        _choice("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -57,10 +58,12 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
+from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
+SAMPLE_PY = Path(__file__).resolve().parents[1] / "sample.py"
 
 
 class TrainingError(RuntimeError):
@@ -351,6 +354,7 @@ class Trainer:
             enabled=self.dist.is_main,
         )
         self.state.wandb_id = self.tracker.run_id
+        self.metrics = MetricsLog(self.run_dir, tokens_per_step, self.state.step, self.dist.is_main)
         # Samples are generated only for a tracker that records them: by every rank (under FSDP
         # each forward is a collective), as rank 0's tracker decides (wandb.mode or WANDB_MODE).
         self.records_samples = bool(self.cfg.train.sample_tokens) and from_main(
@@ -378,6 +382,7 @@ class Trainer:
             return summary
         finally:
             self.progress.close()
+            self.metrics.close()
             self.tracker.finish(exit_code)
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.parallel_model = self.step_model = self.model
@@ -418,7 +423,7 @@ class Trainer:
                     values["mfu"] = tok_s * flops_per_token / peak
                 self.losses[state.step] = values["loss"]
                 self.progress.update(state.step, values, self._eta(tok_s, tokens_per_step))
-                self.tracker.log(
+                self._log(
                     {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()},
                     state.step,
                 )
@@ -445,6 +450,10 @@ class Trainer:
             remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
         return remaining
 
+    def _log(self, metrics: dict[str, Any], step: int) -> None:
+        self.tracker.log(metrics, step)
+        self.metrics.log(metrics, step)
+
     def _periodic_eval(self) -> EvalResult:
         result = self.evaluate()
         improved = result.loss < self.state.best_val_loss
@@ -455,9 +464,11 @@ class Trainer:
             f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
-        self.tracker.log(result.metrics("val"), self.state.step)
+        self._log(result.metrics("val"), self.state.step)
+        self.metrics.plot()
         if self.records_samples:
             self.tracker.log_samples(self._samples(), self.state.step)
+        self.last_eval = (self.state.step, result)
         return result
 
     def _samples(self) -> list[tuple[str, str]]:
@@ -484,31 +495,56 @@ class Trainer:
         return rows
 
     def _finish(self) -> dict[str, Any]:
-        """Always save the final state; evaluate the whole validation split."""
-        if self.cfg.train.eval_interval == 0 or self.state.step % self.cfg.train.eval_interval:
-            self._periodic_eval()  # the final model competes for `best` too
+        """Always save the final state; evaluate as train.final_eval says (default: the whole
+        validation split)."""
+        cfg = self.cfg.train
+        step, evaluated = getattr(self, "last_eval", (None, None))
+        if cfg.final_eval != "none" and step != self.state.step:
+            evaluated = self._periodic_eval()  # the final model competes for `best` too
         last = self.save("last")
-        final = self.evaluate(whole_split=True)
+        final = None
+        if cfg.final_eval == "whole":
+            final = self.evaluate(whole_split=True)
+        elif cfg.final_eval == "periodic":
+            final = evaluated  # the fixed eval_steps subset, evaluated at this step
+        values = {"val_loss": None, "val_bpb": None, "val_tokens": None}
+        if final is not None:
+            values = {
+                "val_loss": round(final.loss, 4),
+                "val_bpb": round(final.bpb, 4),
+                "val_tokens": final.tokens,
+            }
         summary = {
             "step": self.state.step,
             "train_seconds": round(self.state.elapsed, 2),
-            "val_loss": round(final.loss, 4),
-            "val_bpb": round(final.bpb, 4),
-            "val_tokens": final.tokens,
+            **values,
+            "final_eval": cfg.final_eval,
             "checkpoint": str(last),
             "best_checkpoint": str(self.ckpt_dir / "best"),
         }
-        self.tracker.log(final.metrics("final_val"), self.state.step)
+        if final is not None:
+            self._log(final.metrics("final_val"), self.state.step)
+            self.metrics.plot()
         self.tracker.summary(summary)
         self.progress.close()
         if not self.dist.is_main:
             return summary
+        if final is None:
+            result = " (train.final_eval=none: no final evaluation)"
+        else:
+            split = (
+                f"whole validation split ({final.tokens:,} tokens, non-overlapping windows of "
+                f"{self.block_size})"
+                if cfg.final_eval == "whole"
+                else f"validation subset ({final.tokens:,} tokens, train.eval_steps batches)"
+            )
+            result = f"; {split}: loss {final.loss:.4f}, bpb {final.bpb:.4f}"
+        sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
         print(
-            f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}; whole "
-            f"validation split ({final.tokens:,} tokens, non-overlapping windows of "
-            f"{self.block_size}): loss {final.loss:.4f}, bpb {final.bpb:.4f}\n"
+            f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}{result}\n"
             f"checkpoint: {last} (best: {self.ckpt_dir / 'best'})\n"
-            f"sample: python sample.py checkpoint={self.run_dir}"
+            f"metrics: {self.metrics.path} (plot: {self.metrics.plot_path})\n"
+            f"sample: {sample}"
         )
         print(json.dumps(summary))
         return summary
