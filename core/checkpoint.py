@@ -173,6 +173,7 @@ def _write_checkpoint(
     try:
         with _os_errors(tmp / MODEL_FILE):
             save_file(model_state(model), str(tmp / MODEL_FILE))
+        os.chmod(tmp / MODEL_FILE, tmp.stat().st_mode & 0o666)  # safetensors makes it 0600
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         files = [MODEL_FILE, CONFIG_FILE]
