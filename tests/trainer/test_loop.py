@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from core.checkpoint import CheckpointError, load_checkpoint
+from core.errors import ConfigError
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import make_trainer
+from tests.trainer.helpers import compose_run, make_trainer
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
@@ -282,3 +283,21 @@ def test_samples_are_generated_only_when_a_tracker_records_them(
     assert generations == ([6, 12] if recorded else [])
     if recorded:
         assert trainer.tracker.sample_steps == [6, 12]
+
+
+def test_final_eval_periodic_reuses_the_subset_evaluation_instead_of_the_whole_split(
+    tmp_path, corpus
+):
+    trainer = make_trainer(tmp_path, corpus, "train.final_eval=periodic")
+    whole_split = []
+    original = trainer.evaluate
+    trainer.evaluate = lambda whole=False: whole_split.append(whole) or original(whole)
+    summary = trainer.run()
+    assert whole_split == [False, False]  # the evaluations at steps 6 and 12, nothing more
+    assert summary["val_tokens"] == 2 * 4 * 32  # eval_steps x batch_size x block_size
+    assert summary["val_loss"] == round(trainer.last_eval[1].loss, 4)
+
+
+def test_final_eval_accepts_only_its_three_values():
+    with pytest.raises(ConfigError, match=r"train.final_eval must be one of \['whole', 'periodic'"):
+        compose_run([], "train.final_eval=subset")
