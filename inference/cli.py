@@ -86,8 +86,11 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    if cfg["checkpoint"] is None:  # train.py's runs only: -m sweeps live under multirun/
+        path = latest_checkpoint("outputs")
+        print(f"checkpoint: {path.absolute()} (the newest run under ./outputs)", file=err)
+    else:
+        path = resolve_checkpoint(str(cfg["checkpoint"]))
     ckpt = load_checkpoint(path, device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
@@ -107,6 +110,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     if cfg["attention_plot"]:
         write_attention_plot(model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"])
         print(f"wrote {cfg['attention_plot']}", file=err)
+        if len(ids) == 1:
+            print(
+                "warning: the prompt is one token, so the attention plot has a single cell; "
+                "give a longer prompt, e.g. 'prompt=\"To be, or not to be\"'",
+                file=err,
+            )
 
     live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
