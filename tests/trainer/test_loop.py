@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,9 +217,16 @@ def test_on_nan_skip_skips_the_step_and_goes_on(tmp_path, corpus):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
-    make_trainer(tmp_path, corpus, "wandb.mode=offline").run()
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    make_trainer(Path("run"), corpus, "wandb.mode=offline").run()  # a relative run dir
+    run_dir = tmp_path / "run"
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # The printed upload command names the offline run by absolute path: it works anywhere.
+    hint = re.search(
+        r"wandb: offline run in (\S+) \(upload: wandb sync (\S+)\)", capsys.readouterr().out
+    )
+    assert hint[1] == hint[2] == str(run_file.parent)
     # wandb's service process may still be writing the file when finish() returns (CI once read
     # it without the config on a loaded machine): wait up to 30 s for the last records.
     deadline = time.monotonic() + 30
@@ -240,7 +249,7 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
     tables = [json.loads(row["samples/path"]) for row in history if "samples/path" in row]
     assert len(tables) == 2  # one table of samples per evaluation (steps 6 and 12)
     for table in tables:
-        (file,) = tmp_path.glob(f"wandb/offline-run-*/files/{table}")
+        (file,) = run_dir.glob(f"wandb/offline-run-*/files/{table}")
         rows = json.loads(file.read_text())
         assert rows["columns"] == ["step", "prompt", "completion"] and len(rows["data"]) == 2
         assert all(isinstance(completion, str) for _, _, completion in rows["data"])
