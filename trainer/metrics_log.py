@@ -104,6 +104,7 @@ class MetricsLog:
 def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
     """Train and val loss against tokens seen, val bpb on a second axis, as a PNG."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import EngFormatter
 
     def series(key: str) -> tuple[list[float], list[float]]:
         points = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None]
@@ -111,18 +112,24 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
 
     fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(*series("train_loss"), color="tab:blue", lw=1, label="train loss")
-    ax.plot(*series("val_loss"), "o-", color="tab:orange", ms=4, label="val loss")
-    x, y = series("final_val_loss")
-    ax.plot(x, y, "*", color="tab:red", ms=10, label="final val loss")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("loss (nats/token)")
     bpb = ax.twinx()
-    bpb.plot(*series("val_bpb"), "s", color="tab:green", ms=4, mfc="none", label="val bpb")
-    bpb.set_ylabel("val bits per byte", color="tab:green")
+    styles = [
+        (ax, "train_loss", dict(color="tab:blue", lw=1, label="train loss")),
+        (ax, "val_loss", dict(fmt="o-", color="tab:orange", ms=4, label="val loss")),
+        (ax, "final_val_loss", dict(fmt="*", color="tab:red", ms=11, label="final val loss")),
+        (bpb, "val_bpb", dict(fmt="s", color="tab:green", ms=4, mfc="none", label="val bpb")),
+    ]
+    for axis, key, style in styles:
+        x, y = series(key)
+        if y:  # a series the run does not have (no final evaluation) gets no legend entry
+            axis.plot(x, y, style.pop("fmt", "-"), **style)
     x, y = series("val_bpb")
     if y:
-        bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), textcoords="offset points", xytext=(4, 4))
+        bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), textcoords="offset points", xytext=(-8, 6))
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats/token)")
+    bpb.set_ylabel("val bits per byte", color="tab:green")
     handles = ax.get_legend_handles_labels()[0] + bpb.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper right", fontsize="small")
     ax.set_title(title, fontsize="small")
