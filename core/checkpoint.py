@@ -178,11 +178,13 @@ def _write_checkpoint(
     recover_interrupted_swap(path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # mkdir, not mkdtemp (0700): a
+    tmp.mkdir()  # checkpoint follows the umask, so teammates can read it where the umask allows
     try:
         with _os_errors(tmp / MODEL_FILE):
             save_file(model_state(model), str(tmp / MODEL_FILE))
         fault_point("checkpoint.partial")  # tests only (data/faults.py): kill -9 here
+        os.chmod(tmp / MODEL_FILE, tmp.stat().st_mode & 0o666)  # safetensors makes it 0600
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         files = [MODEL_FILE, CONFIG_FILE]

@@ -15,6 +15,12 @@ def _in_val(_: dict, index: int, *, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "big") < fraction * 2**64
 
 
+def check_fraction(fraction: float) -> float:
+    if not 0 < fraction < 1:
+        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {fraction}")
+    return fraction
+
+
 def hold_out(
     ds: Dataset | IterableDataset, fraction: float, seed: int
 ) -> tuple[Dataset | IterableDataset, Dataset | IterableDataset]:
@@ -23,8 +29,7 @@ def hold_out(
     A finite dataset gets an exact seeded split (at least one validation document); a stream
     has no length, so each document is assigned by a seeded hash of its position.
     """
-    if not 0 < fraction < 1:
-        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {fraction}")
+    check_fraction(fraction)
     if isinstance(ds, Dataset):
         if len(ds) < 2:
             raise DataError(

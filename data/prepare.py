@@ -1,7 +1,8 @@
 """CLI: ``python -m data.prepare data=<name> [data.key=value ...]`` prepares one dataset.
 
-It prints per-split tokens, bytes and throughput, then one JSON summary line. User mistakes
-print ``error: <msg>`` on stderr and exit 2 (base/errors.py).
+It prints per-split tokens, bytes and throughput (when it builds), the split sizes (always),
+then one JSON summary line. User mistakes print ``error: <msg>`` on stderr and exit 2
+(base/errors.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         return report_user_error(e)
     summary = {"dataset": data.meta["dataset"]}
-    for split, stats in data.meta["splits"].items():
-        summary[split] = {"tokens": stats["tokens"], "bytes": stats["bytes"]}
+    splits = data.meta["splits"]
+    for split, stats in splits.items():
+        summary[split] = {key: stats[key] for key in ("documents", "tokens", "bytes")}
+    total = sum(stats["bytes"] for stats in splits.values())
+    print(
+        "splits: "
+        + " | ".join(
+            f"{split} {stats['tokens']:,} tokens, {stats['bytes'] / 1e6:.2f} MB "
+            f"({stats['bytes'] / total:.1%} of the text)"
+            for split, stats in splits.items()
+        )
+    )
     summary |= {"seconds": round(time.perf_counter() - start, 3), "dir": str(data.dir)}
     print(json.dumps(summary))
     return 0

@@ -1,4 +1,10 @@
-"""The ``text`` dataset: the user's own local UTF-8 text files or globs, one document per file."""
+"""The ``text`` dataset: the user's own local UTF-8 text files or globs, one document per file.
+
+Without ``val_files``, validation is the last ``val_fraction`` of the text, as in nanoGPT's
+``input.txt``: the files are read in order (sorted within each glob) and cut once, at the line
+boundary nearest to that fraction of the characters. The cut is made on text, before any
+tokenizer sees it, so every tokenizer gets the same split; one file is enough.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any
 from datasets import Dataset
 
 from data.errors import DataError
-from data.holdout import hold_out
+from data.holdout import check_fraction
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:
@@ -49,7 +55,7 @@ def identity(cfg: dict[str, Any]) -> dict[str, Any]:
         split: [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
         for split, files in _file_lists(cfg).items()
     }
-    keys = ("val_fraction", "seed", "encoding_errors")
+    keys = ("val_fraction", "encoding_errors")
     return {"files": stats, **{k: cfg.get(k) for k in keys}}
 
 
@@ -70,19 +76,50 @@ def read_utf8(
         ) from None
 
 
-def _documents(files: list[Path], key: str, errors: str) -> Dataset:
+def _read(files: list[Path], key: str, errors: str) -> list[str]:
     fix = (
         "convert it to UTF-8 or set data.encoding_errors=replace to substitute U+FFFD for bad bytes"
     )
-    return Dataset.from_dict({"text": [read_utf8(p, key, errors, fix) for p in files]})
+    return [read_utf8(p, key, errors, fix) for p in files]
+
+
+def _documents(texts: list[str]) -> Dataset:
+    return Dataset.from_dict({"text": texts})
+
+
+def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train, val) documents: val is the last ``fraction`` of the concatenated characters, cut
+    at the nearest line boundary (a file's start or end counts as one). The file the cut falls
+    in becomes two documents, its head in train and its tail in val."""
+    total = sum(map(len, texts))
+    cut = total - round(total * check_fraction(fraction))  # where val would start, exactly
+    i, start = 0, 0  # the text the cut falls in, and where it starts
+    while cut > start + len(texts[i]):
+        start += len(texts[i])
+        i += 1
+    text, local = texts[i], cut - start
+    before = text.rfind("\n", 0, local) + 1  # the line start at or before it (0: none)
+    newline = text.find("\n", local)
+    after = len(text) if newline < 0 else newline + 1  # the next line start (or the end)
+    at = before if local - before <= after - local else after
+    train = [t for t in [*texts[:i], text[:at]] if t]
+    val = [t for t in [text[at:], *texts[i + 1 :]] if t]
+    if not train or not val:
+        raise DataError(
+            f"cannot hold out the last {fraction:g} of a {total:,}-character text at a line "
+            "boundary (one side would be empty); change data.val_fraction, add line breaks or "
+            "more text, or pass data.val_files"
+        )
+    return train, val
 
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
-    """``val_files`` when given, else a seeded ``val_fraction`` of whole files."""
+    """``val_files`` when given, else the last ``val_fraction`` of the text (see above)."""
     files = _file_lists(cfg)
     errors = cfg.get("encoding_errors", "strict")
-    train = _documents(files["train"], "data.train_files", errors)
+    train = _read(files["train"], "data.train_files", errors)
     if files["val"]:
-        return {"train": train, "val": _documents(files["val"], "data.val_files", errors)}
-    train, val = hold_out(train, float(cfg.get("val_fraction", 0.1)), int(cfg.get("seed", 0)))
-    return {"train": train, "val": val}
+        val = _read(files["val"], "data.val_files", errors)
+    else:
+        train, val = tail_split(train, float(cfg.get("val_fraction", 0.1)))
+    return {"train": _documents(train), "val": _documents(val)}

@@ -21,7 +21,7 @@ from core.device import resolve_device, resolve_dtype
 from data.text_files import read_utf8
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
-from inference.text import TextStream
+from inference.text import TextStream, decode_escapes
 from model import GPT
 
 SEPARATOR = "---------------"
@@ -71,12 +71,14 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
     max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
     seed = _int_at_least("seed", cfg["seed"], 0)
-    stop = [str(s) for s in (cfg["stop"] or [])]
+    stop = [decode_escapes(str(s)) for s in (cfg["stop"] or [])]
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
     path = find_checkpoint(cfg["checkpoint"])
+    if cfg["checkpoint"] is None:  # train.py's runs only: -m sweeps live under multirun/
+        print(f"checkpoint: {path.absolute()} (the newest run under ./outputs)", file=err)
     ckpt = load_checkpoint(path, device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
@@ -96,6 +98,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     if cfg["attention_plot"]:
         write_attention_plot(model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"])
         print(f"wrote {cfg['attention_plot']}", file=err)
+        if len(ids) == 1:
+            print(
+                "warning: the prompt is one token, so the attention plot has a single cell; "
+                "give a longer prompt, e.g. 'prompt=\"To be, or not to be\"'",
+                file=err,
+            )
 
     live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end

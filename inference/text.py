@@ -8,9 +8,26 @@ the beginning of a stop string is held back until it is clear whether the stop s
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Sequence
 
 import tiktoken
+
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|(.))", re.DOTALL)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def decode_escapes(text: str) -> str:
+    r"""`\n`, `\t`, `\r`, `\\` and `\uXXXX` as the characters they name: the shell and Hydra
+    pass `'stop=["\n\n"]'` on as backslash, n. Any other backslash stays as written."""
+
+    def replace(match: re.Match) -> str:
+        code, char = match.groups()
+        if code:
+            return chr(int(code, 16))
+        return _ESCAPES.get(char, match[0])
+
+    return _ESCAPE.sub(replace, text)
 
 
 class TextStream:

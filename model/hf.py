@@ -182,15 +182,20 @@ def _config_from_shapes(
             f"{where}: lm_head.weight has shape {shapes['lm_head.weight']}, "
             f"wte.weight {shapes['wte.weight']}: they must match"
         )
-    return GPTConfig(
+    shape = dict(  # what the weights themselves say: an override may repeat it, not change it
         vocab_size=vocab_size,
         block_size=actual["n_positions"],
         n_layer=actual["n_layer"],
-        n_head=n_head,
         n_embd=n_embd,
         bias="ln_f.bias" in shapes,
-        **overrides,
     )
+    for key, value in overrides.items():
+        if key in shape and value != shape[key]:
+            raise ValueError(
+                f"model.{key}={value!r} does not match the weights, which have "
+                f"model.{key}={shape[key]!r}"
+            )
+    return GPTConfig(**{**shape, **overrides, "n_head": n_head})
 
 
 def _check_shapes(config: GPTConfig, shapes: dict[str, tuple[int, ...]]) -> None:

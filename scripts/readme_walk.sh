@@ -53,8 +53,11 @@ test -f runs/walk/checkpoints/best/manifest.json || fail "no best checkpoint"
 if grep -Eiq 'warn|deprecat|traceback' train.out; then cat train.out; fail "train.py printed a warning"; fi
 
 step "python sample.py"
-python sample.py checkpoint=runs/walk 'prompt="ROMEO:"' max_new_tokens=20 > sample.out 2>&1 || { cat sample.out; fail "sample.py exited $?"; }
-expect sample.out '^ROMEO:' "sample.py"
+python sample.py checkpoint=runs/walk 'prompt="**ROMEO**"' max_new_tokens=20 > sample.out 2>&1 || { cat sample.out; fail "sample.py exited $?"; }
+expect sample.out '^\*\*ROMEO\*\*' "sample.py"
+test -s runs/walk/metrics.jsonl && test -s runs/walk/loss.png || fail "no metrics.jsonl or loss.png in the run dir"
+SAMPLE=$(sed -n 's/^sample: //p' train.out)  # the printed hint, run from another directory
+(cd / && eval "$SAMPLE max_new_tokens=5") > hint.out 2>&1 || { cat hint.out; fail "the printed '$SAMPLE' exited $?"; }
 
 step "python evaluate.py"
 python evaluate.py checkpoint=runs/walk > eval.out 2>&1 || { cat eval.out; fail "evaluate.py exited $?"; }
@@ -87,6 +90,7 @@ expect resume.out "^done: $((STOPPED + 10)) steps" "resume"
 step "a sweep: python train.py -m optim.lr=1e-3,3e-3"
 python train.py -m "${FAST[@]}" train.max_steps=10 optim.lr=1e-3,3e-3 hydra.sweep.dir=runs/sweep > sweep.out 2>&1 || { cat sweep.out; fail "the sweep exited $?"; }
 for n in 0 1; do test -f "runs/sweep/$n/checkpoints/last/manifest.json" || fail "sweep run $n has no checkpoint"; done
+expect sweep.out '^\| run \| optim.lr \| step \| val loss \| val bpb \|$' "the sweep's table"
 
 step "a user mistake: one line, exit 2"
 set +e; python train.py train.batch_size=abc > bad.out 2>&1; CODE=$?; set -e

@@ -47,6 +47,7 @@ RESUMABLE = (
     "train.sample_tokens",
     "train.skip_memory_check",
     "train.check_causality",
+    "train.final_eval",
     "train.resume",
     "wandb",
     "parallel",

@@ -67,6 +67,7 @@ class TrainSettings:
     sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
     skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
     check_causality: bool  # check a shrunk copy of the model first (trainer/guard.py)
+    final_eval: str  # the evaluation at the end: whole | periodic (the eval_steps subset) | none
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
@@ -79,6 +80,7 @@ class TrainSettings:
         resume_ok = self.resume is None or isinstance(self.resume, str)
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
         _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
+        _one_of("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
         boolean("train.skip_memory_check", self.skip_memory_check)
         boolean("train.check_causality", self.check_causality)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 import signal
 import time
@@ -62,10 +63,13 @@ from trainer.distributed import (
 from trainer.evaluation import EvalResult, evaluate
 from trainer.guard import causality_guard
 from trainer.memory import check_memory
+from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
+SAMPLE_PY = Path(__file__).resolve().parents[1] / "sample.py"
+TRAIN_PY = SAMPLE_PY.with_name("train.py")
 
 
 class TrainingError(RuntimeError):
@@ -212,6 +216,15 @@ class Trainer:
             cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id, enabled=self.dist.is_main
         )
         self.state.wandb_id = self.tracker.run_id
+        self.metrics = MetricsLog(
+            self.run_dir, self.tokens_per_step, self.state.step, self.dist.is_main
+        )
+        # Samples are generated only for a tracker that records them: by every rank (under FSDP
+        # each forward is a collective), as rank 0's tracker decides (wandb.mode or WANDB_MODE).
+        self.records_samples = bool(cfg.train.sample_tokens) and from_main(
+            self.tracker.run is not None
+        )
+        self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
         self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
 
     # ----- checkpoints ---------------------------------------------------------------------
@@ -405,6 +418,7 @@ class Trainer:
             exit_code = 0
         finally:
             self.progress.close()
+            self.metrics.close()
             self.tracker.finish(exit_code)
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.parallel_model = self.step_model = self.model
@@ -471,18 +485,24 @@ class Trainer:
         step = self.state.step
         self.losses[step] = values["loss"]
         self.progress.update(step, values, self._eta(tok_s))
-        self.tracker.log(
+        self._record(
             {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
         )
+
+    def _record(self, metrics: dict[str, Any], step: int) -> None:
+        """One row to wandb and to <run_dir>/metrics.jsonl."""
+        self.tracker.log(metrics, step)
+        self.metrics.log(metrics, step)
 
     def _interrupted(self, signum: int) -> None:
         """Save `last` and stop with the command that resumes."""
         path = self.save("last")
-        launcher = "torchrun <flags> train.py" if self.dist.enabled else "python train.py"
+        launcher = "torchrun <flags>" if self.dist.enabled else "python"
+        command = shlex.join([str(TRAIN_PY), f"hydra.run.dir={self.run_dir}", "train.resume=auto"])
         raise TrainingInterrupted(
             signum,
             f"stopped by signal {signum} at step {self.state.step}; checkpoint saved to "
-            f"{path}. Resume with: {launcher} hydra.run.dir={self.run_dir} train.resume=auto",
+            f"{path}. Resume with: {launcher} {command}",
         )
 
     def _eta(self, tok_s: float) -> float:
@@ -490,6 +510,10 @@ class Trainer:
         if self.cfg.train.max_seconds is not None:
             remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
         return remaining
+
+    def _log(self, metrics: dict[str, Any], step: int) -> None:
+        self.tracker.log(metrics, step)
+        self.metrics.log(metrics, step)
 
     def _periodic_eval(self) -> EvalResult:
         result = self.evaluate()
@@ -501,11 +525,11 @@ class Trainer:
             f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
-        self.tracker.log(result.metrics("val"), self.state.step)
-        # Every rank generates: under FSDP each forward is a collective. wandb.mode=disabled is
-        # the one setting in which rank 0's tracker has no run.
-        if self.cfg.wandb.mode != "disabled" and self.cfg.train.sample_tokens:
+        self._log(result.metrics("val"), self.state.step)
+        self.metrics.plot()
+        if self.records_samples:
             self.tracker.log_samples(self._samples(), self.state.step)
+        self.last_eval = (self.state.step, result)
         return result
 
     def _samples(self) -> list[tuple[str, str]]:
@@ -529,33 +553,55 @@ class Trainer:
         return rows
 
     def _finish(self) -> dict[str, Any]:
-        """Always save the final state; evaluate the whole validation split."""
-        if self.cfg.train.eval_interval == 0 or self.state.step % self.cfg.train.eval_interval:
-            self._periodic_eval()  # the final model competes for `best` too
+        """Always save the final state; evaluate as train.final_eval says (default: the whole
+        validation split)."""
+        cfg = self.cfg.train
+        step, evaluated = self.last_eval or (None, None)
+        if cfg.final_eval != "none" and step != self.state.step:
+            evaluated = self._periodic_eval()  # the final model competes for `best` too
         last = self.save("last")
-        final = self.evaluate(whole_split=True)
+        final = None
+        if cfg.final_eval == "whole":
+            final = self.evaluate(whole_split=True)
+        elif cfg.final_eval == "periodic":
+            final = evaluated  # the fixed eval_steps subset, evaluated at this step
         summary = {
             "step": self.state.step,
             "train_seconds": round(self.state.elapsed, 2),
-            "val_loss": round(final.loss, 4),
-            "val_bpb": round(final.bpb, 4),
-            "val_tokens": final.tokens,
+            "val_loss": None if final is None else round(final.loss, 4),
+            "val_bpb": None if final is None else round(final.bpb, 4),
+            "val_tokens": None if final is None else final.tokens,
+            "final_eval": cfg.final_eval,
             "checkpoint": str(last),
             "best_checkpoint": str(self.ckpt_dir / "best"),
         }
-        self.tracker.log(final.metrics("final_val"), self.state.step)
+        if final is not None:
+            self._record(final.metrics("final_val"), self.state.step)
+            self.metrics.plot()
         self.tracker.summary(summary)
         return summary
 
     def _report(self, summary: dict[str, Any]) -> None:
-        """The closing lines on rank 0, the summary as JSON last."""
+        """The closing lines on rank 0, the summary as JSON last; every command printed works
+        from any directory."""
         if not self.dist.is_main:
             return
+        if summary["val_loss"] is None:
+            result = " (train.final_eval=none: no final evaluation)"
+        else:
+            split = (
+                f"whole validation split ({summary['val_tokens']:,} tokens, non-overlapping "
+                f"windows of {self.block_size})"
+                if summary["final_eval"] == "whole"
+                else f"validation subset ({summary['val_tokens']:,} tokens, train.eval_steps "
+                "batches)"
+            )
+            result = f"; {split}: loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}"
+        sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
         print(
-            f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}; whole "
-            f"validation split ({summary['val_tokens']:,} tokens, non-overlapping windows of "
-            f"{self.block_size}): loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}\n"
+            f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}{result}\n"
             f"checkpoint: {summary['checkpoint']} (best: {summary['best_checkpoint']})\n"
-            f"sample: python sample.py checkpoint={self.run_dir}"
+            f"metrics: {self.metrics.path} (plot: {self.metrics.plot_path})\n"
+            f"sample: {sample}"
         )
         print(json.dumps(summary))

@@ -7,6 +7,7 @@ in `<run_dir>/wandb/` and can be uploaded later with `wandb sync <that dir>`.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,9 @@ class Tracker:
         """One line for the console: where the run can be seen or how to upload it."""
         if self.run is None:
             return "wandb: disabled"
-        if self.mode == "offline":
-            return (
-                f"wandb: offline run in {self.run.dir.removesuffix('/files')} (upload: wandb sync)"
-            )
+        if self.mode == "offline":  # an absolute path: the command works from any directory
+            run = Path(self.run.dir).resolve().parent  # .../wandb/offline-run-<time>-<id>
+            return f"wandb: offline run in {run} (upload: wandb sync {shlex.quote(str(run))})"
         return f"wandb: {self.run.url}"
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

@@ -150,3 +150,18 @@ def test_latest_checkpoint_is_the_newest_run(tmp_path):
     assert latest_checkpoint(tmp_path / "outputs") == newer
     with pytest.raises(CheckpointError, match="python train.py"):
         latest_checkpoint(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(
+    "umask, dir_mode, file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)]
+)
+def test_a_checkpoint_follows_the_umask(tmp_path, umask, dir_mode, file_mode):
+    """A teammate in the group can read a checkpoint when the umask says so (mkdtemp made every
+    checkpoint 0700 whatever the umask); the 0o077 case is the control."""
+    old = os.umask(umask)
+    try:
+        path = save(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == dir_mode
+    assert {f.stat().st_mode & 0o777 for f in path.iterdir()} == {file_mode}

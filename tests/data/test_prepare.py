@@ -20,6 +20,7 @@ import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
 from data.cache import InvalidCache, read_valid_meta, sha256_file, verify_prepared
 from data.faults import ENV as FAULT_ENV
+from data.text_files import tail_split
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,14 +90,49 @@ def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
     assert "changed" in enc.decode(second.tokens("train").tolist())
 
 
-def test_val_fraction_holds_out_whole_files(tmp_path: Path) -> None:
+def test_val_fraction_is_the_last_part_of_the_text_cut_at_a_line_boundary(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=10)
     cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs") + "/*.txt"], val_fraction=0.2)
     prepared = prepare_data(cfg, verbose=False)
     splits = prepared.meta["splits"]
     assert splits["val"]["documents"] == 2 and splits["train"]["documents"] == 8
-    again = prepare_data({**cfg, "cache_dir": str(tmp_path / "other")}, verbose=False)
-    assert np.array_equal(again.tokens("val"), prepared.tokens("val"))  # seeded, fixed
+    enc = get_tokenizer("gpt2")
+    assert enc.decode(prepared.tokens("val").tolist()).startswith("<|endoftext|>Document number 8.")
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes", "bpe-300"])
+def test_one_file_trains_with_its_last_tenth_as_validation(tmp_path: Path, tokenizer: str) -> None:
+    """nanoGPT's input.txt: one file, the last 10% of its characters (to the nearest line
+    start) is val; the same text for every tokenizer."""
+    lines = [f"line {i:03d} " + "x" * (i % 7) + "\n" for i in range(200)]
+    text = "".join(lines)
+    doc = tmp_path / "input.txt"
+    doc.write_text(text, encoding="utf-8")
+    prepared = prepare_data(text_cfg(tmp_path, train_files=[str(doc)], tokenizer=tokenizer))
+    enc = prepared.tokenizer()
+    train = enc.decode(prepared.tokens("train").tolist()).removeprefix("<|endoftext|>")
+    val = enc.decode(prepared.tokens("val").tolist()).removeprefix("<|endoftext|>")
+    assert train + val == text and train.endswith("\n") and val.startswith("line ")
+    cut = len(text) - round(len(text) * 0.1)
+    longest_line = max(map(len, lines))
+    assert abs(len(train) - cut) <= longest_line / 2  # the nearest line boundary
+    assert prepared.meta["splits"]["train"]["documents"] == 1
+
+
+def test_tail_split_cuts_across_files_at_the_nearest_line_start() -> None:
+    texts = ["a\nbb\n", "ccc\ndddd\n", "e\n"]  # 5 + 9 + 2 = 16 characters
+    # 10% -> val should start at 14.4 -> 14: the start of the third file
+    assert tail_split(texts, 0.1) == (["a\nbb\n", "ccc\ndddd\n"], ["e\n"])
+    # 50% -> 8 is inside "ccc\ndddd\n" at offset 3; line starts at 0 and 4: 4 is nearer
+    assert tail_split(texts, 0.5) == (["a\nbb\n", "ccc\n"], ["dddd\n", "e\n"])
+
+
+@pytest.mark.parametrize(
+    ("texts", "fraction"), [(["no line breaks at all"], 0.1), (["a\nb\n"], 0.01)]
+)
+def test_a_text_that_cannot_be_cut_is_a_clear_error(texts: list[str], fraction: float) -> None:
+    with pytest.raises(DataError, match="one side would be empty.*val_files"):
+        tail_split(texts, fraction)
 
 
 def test_sha256_file_streams_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,6 +290,9 @@ def test_cli_prints_summary_json(shakespeare: PreparedData) -> None:
     for split in ("train", "val"):
         assert summary[split]["tokens"] == shakespeare.meta["splits"][split]["tokens"]
         assert summary[split]["bytes"] == shakespeare.meta["splits"][split]["bytes"]
+        assert summary[split]["documents"] == shakespeare.meta["splits"][split]["documents"]
+    train, val = (shakespeare.meta["splits"][s]["tokens"] for s in ("train", "val"))
+    assert f"splits: train {train:,} tokens" in proc.stdout and f"val {val:,} tokens" in proc.stdout
     assert summary["seconds"] >= 0
 
 
@@ -306,9 +345,3 @@ def test_undecodable_bytes_can_be_replaced(tmp_path: Path) -> None:
     )
     text = get_tokenizer("gpt2").decode(prepare_data(cfg, verbose=False).tokens("train").tolist())
     assert text == "<|endoftext|>ok \ufffd bad"
-
-
-def test_single_file_cannot_be_held_out(tmp_path: Path) -> None:
-    (doc,) = write_docs(tmp_path, n=1)
-    with pytest.raises(DataError, match="at least 2 documents"):
-        prepare_data(text_cfg(tmp_path, train_files=[str(doc)]), verbose=False)

@@ -34,3 +34,29 @@ def sample_cfg() -> Callable[..., DictConfig]:
             return compose("sample", overrides=list(overrides))
 
     return make
+
+
+@pytest.fixture
+def blank_line_run(tmp_path: Path) -> Path:
+    """A run whose model continues greedily "two" -> " one" -> "\\n\\n" -> "two" -> ...: output
+    that contains blank lines for certain. Blocks are zeroed (each adds nothing to the
+    residual stream), so the logits are a bigram table: token t's embedding is a one-hot slot
+    that the head maps to the next token of the cycle."""
+    from data.tokenizer import get_tokenizer
+
+    enc = get_tokenizer("gpt2")
+    cycle = [enc.encode_single_token(t) for t in ("two", " one", "\n\n")]
+    config = GPTConfig(
+        vocab_size=enc.n_vocab, block_size=32, n_layer=1, n_head=1, n_embd=8, tie_embeddings=False
+    )
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.ln_f.weight.fill_(1.0)
+        for slot, (token, following) in enumerate(zip(cycle, cycle[1:] + cycle[:1], strict=True)):
+            model.transformer.wte.weight[token, slot] = 1.0
+            model.lm_head.weight[following, slot] = 10.0
+    run = tmp_path / "blank_line_run"
+    save_checkpoint(run / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
+    return run

@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.checkpoint import MANIFEST_FILE, CheckpointError, _sha256, load_checkpoint
-from inference.cli import main, run
+from core.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointError,
+    _sha256,
+    load_checkpoint,
+    save_checkpoint,
+)
+from inference.cli import SEPARATOR, main, run
+from inference.text import decode_escapes
+from model import GPT, GPTConfig
 from tests.trainer.helpers import HANG_SECONDS
 
 SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
@@ -75,6 +83,29 @@ def test_a_stop_string_ends_the_sample_before_it(run_dir, sample_cfg, capsys):
         )
     )
     assert stopped == full[: full.index(stop)]
+
+
+def test_the_readmes_blank_line_stop_ends_the_sample_at_the_first_blank_line(
+    blank_line_run, tmp_path
+):
+    """`'stop=["\\n\\n"]'` as the README writes it: the shell passes backslash-n, which is
+    decoded. The control, without the stop, shows that the model does write blank lines."""
+    args = [f"checkpoint={blank_line_run}", "prompt=two", "max_new_tokens=8", "temperature=0"]
+    control = sample_py(*args, cwd=tmp_path)
+    assert control.returncode == 0, control.stderr
+    assert control.stdout.startswith("two one\n\ntwo one\n\ntwo")
+
+    stopped = sample_py(*args, r'stop=["\n\n"]', cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == "two one\n" + SEPARATOR + "\n"
+
+
+def test_escapes_in_stop_strings_are_decoded_and_other_backslashes_kept():
+    assert decode_escapes(r"\n\n") == "\n\n"
+    assert decode_escapes(r"\t|\r|\u00e9") == "\t|\r|\u00e9"
+    assert decode_escapes(r"a\\nb") == "a\\nb"  # an escaped backslash, then n
+    assert decode_escapes(r"C:\data \d") == r"C:\data \d"
+    assert decode_escapes("é\n") == "é\n"  # already decoded text is unchanged
 
 
 def test_an_empty_prompt_starts_from_end_of_text_and_streams(run_dir, sample_cfg, capsys):
@@ -212,3 +243,37 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
 def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):
     err = errors_of(sample_cfg(f"checkpoint={run_dir}", *override.split()), capsys)
     assert message in err
+
+
+def test_the_default_checkpoint_is_named_on_stderr_and_sweeps_are_not_considered(
+    run_dir, sample_cfg, tmp_path, monkeypatch, capsys
+):
+    """The newest run under outputs/ is used and named; a newer one under multirun/ is not."""
+    work = tmp_path / "work"
+    (work / "outputs" / "2025-01-01").mkdir(parents=True)
+    run_dir.rename(work / "outputs" / "2025-01-01" / "12-00-00")
+    swept = work / "multirun" / "2025-01-02" / "09-00-00" / "0" / "checkpoints" / "best"
+    torch.manual_seed(1)
+    save_checkpoint(
+        swept,
+        GPT(GPTConfig(vocab_size=50257, block_size=8, n_layer=1, n_head=1, n_embd=8)),
+        {"data": {"tokenizer": "gpt2"}},
+        {},
+    )
+    monkeypatch.chdir(work)
+    run(sample_cfg("max_new_tokens=1"))
+    expected = work / "outputs" / "2025-01-01" / "12-00-00" / "checkpoints" / "best"
+    assert capsys.readouterr().err == (f"checkpoint: {expected} (the newest run under ./outputs)\n")
+
+
+@pytest.mark.parametrize("prompt, warned", [("", True), ("Hello", True), ("'a b c'", False)])
+def test_an_attention_plot_of_a_one_token_prompt_is_warned_about(
+    run_dir, sample_cfg, tmp_path, capsys, prompt, warned
+):
+    overrides = [
+        f"checkpoint={run_dir}",
+        "max_new_tokens=0",
+        f"attention_plot={tmp_path / 'a.png'}",
+    ]
+    run(sample_cfg(*overrides, f"prompt={prompt}"))
+    assert ("warning: the prompt is one token" in capsys.readouterr().err) is warned

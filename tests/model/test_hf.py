@@ -154,3 +154,15 @@ def test_a_pytorch_bin_directory_is_checked_and_loads(hf_model, tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="n_layer=24 disagrees"):
         load_hf_gpt2(tmp_path)
+
+
+def test_overrides_that_repeat_the_weights_shape_load(hf_model):
+    """`bias=True` with weights that have biases once raised TypeError (a keyword twice)."""
+    ours = load_hf_gpt2(hf_model.state_dict(), n_head=4, bias=True, n_layer=3, vocab_size=101)
+    assert ours.config.bias is True and ours.config.n_layer == 3
+
+
+@pytest.mark.parametrize("key, value", [("bias", False), ("n_layer", 2), ("block_size", 64)])
+def test_overrides_that_contradict_the_weights_are_refused_by_name(hf_model, key, value):
+    with pytest.raises(ValueError, match=rf"model\.{key}={value!r} does not match the weights"):
+        load_hf_gpt2(hf_model.state_dict(), n_head=4, **{key: value})

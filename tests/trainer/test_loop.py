@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from base.errors import ConfigError
 from core.checkpoint import CheckpointError, load_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import HANG_SECONDS, make_trainer
+from tests.trainer.helpers import HANG_SECONDS, compose_run, make_trainer
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
@@ -214,9 +217,16 @@ def test_on_nan_skip_skips_the_step_and_goes_on(tmp_path, corpus):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
-    make_trainer(tmp_path, corpus, "wandb.mode=offline").run()
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    make_trainer(Path("run"), corpus, "wandb.mode=offline").run()  # a relative run dir
+    run_dir = tmp_path / "run"
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # The printed upload command names the offline run by absolute path: it works anywhere.
+    hint = re.search(
+        r"wandb: offline run in (\S+) \(upload: wandb sync (\S+)\)", capsys.readouterr().out
+    )
+    assert hint[1] == hint[2] == str(run_file.parent)
     # wandb's service process may still be writing the file when finish() returns (CI once read
     # it without the config on a loaded machine): wait for the event, the last records in the
     # file. The limit only turns records that never come into a failure.
@@ -240,7 +250,64 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus):
     tables = [json.loads(row["samples/path"]) for row in history if "samples/path" in row]
     assert len(tables) == 2  # one table of samples per evaluation (steps 6 and 12)
     for table in tables:
-        (file,) = tmp_path.glob(f"wandb/offline-run-*/files/{table}")
+        (file,) = run_dir.glob(f"wandb/offline-run-*/files/{table}")
         rows = json.loads(file.read_text())
         assert rows["columns"] == ["step", "prompt", "completion"] and len(rows["data"]) == 2
         assert all(isinstance(completion, str) for _, _, completion in rows["data"])
+
+
+class RecordingTracker:
+    """A tracker with a run (as wandb online or offline would have) that keeps the samples."""
+
+    def __init__(self, *args, **kwargs):
+        self.run, self.run_id, self.location, self.sample_steps = "run", None, "wandb: fake", []
+
+    def log_samples(self, samples, step):
+        self.sample_steps.append(step)
+
+    def log(self, *args): ...
+    def summary(self, *args): ...
+    def finish(self, *args): ...
+
+
+@pytest.mark.parametrize(
+    "mode, env, recorded",
+    [("disabled", None, False), ("auto", "disabled", False), ("offline", None, True)],
+)
+def test_samples_are_generated_only_when_a_tracker_records_them(
+    tmp_path, corpus, monkeypatch, mode, env, recorded
+):
+    """wandb.mode=disabled, or WANDB_MODE=disabled under wandb.mode=auto: no generation at all
+    (it would be thrown away). Control: a tracker with a run gets one table per evaluation."""
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    if recorded:
+        monkeypatch.setattr("trainer.loop.Tracker", RecordingTracker)
+    trainer = make_trainer(tmp_path, corpus, f"wandb.mode={mode}")
+    generations = []
+    original = trainer._samples
+    trainer._samples = lambda: generations.append(trainer.state.step) or original()
+    trainer.run()
+    assert generations == ([6, 12] if recorded else [])
+    if recorded:
+        assert trainer.tracker.sample_steps == [6, 12]
+
+
+def test_final_eval_periodic_reuses_the_subset_evaluation_instead_of_the_whole_split(
+    tmp_path, corpus
+):
+    trainer = make_trainer(tmp_path, corpus, "train.final_eval=periodic")
+    whole_split = []
+    original = trainer.evaluate
+    trainer.evaluate = lambda whole=False: whole_split.append(whole) or original(whole)
+    summary = trainer.run()
+    assert whole_split == [False, False]  # the evaluations at steps 6 and 12, nothing more
+    assert summary["val_tokens"] == 2 * 4 * 32  # eval_steps x batch_size x block_size
+    assert summary["val_loss"] == round(trainer.last_eval[1].loss, 4)
+
+
+def test_final_eval_accepts_only_its_three_values():
+    with pytest.raises(ConfigError, match=r"train.final_eval must be one of \['whole', 'periodic'"):
+        compose_run([], "train.final_eval=subset")

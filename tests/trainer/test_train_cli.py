@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from core.checkpoint import load_checkpoint
+from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import ROOT, TINY, run_script
 
 
@@ -162,3 +163,66 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         for i in (0, 1)
     )
     assert lrs == [1e-3, 3e-3]
+    table = result.stdout[result.stdout.index(f"sweep: {sweep_dir}") :].splitlines()[1:]
+    assert table[0] == "| run | optim.lr | step | val loss | val bpb |"
+    for n, lr in enumerate(["0.001", "0.003"]):  # as Hydra records the swept values
+        final = json.loads((sweep_dir / str(n) / "metrics.jsonl").read_text().splitlines()[-1])
+        loss, bpb = final["final_val_loss"], final["final_val_bpb"]
+        assert table[2 + n] == f"| {n} | {lr} | 2 | {loss:.4f} | {bpb:.4f} |"
+
+
+def test_one_text_file_trains_as_in_nanogpt(tmp_path):
+    """`python train.py data=text 'data.train_files=[input.txt]'`: the last 10% of the file is
+    the validation split (it once needed two documents)."""
+    (tmp_path / "input.txt").write_text((PLAYS / "tragedies" / "hamlet.md").read_text()[:30_000])
+    run_dir = tmp_path / "run"
+    result = run_script(
+        "train.py",
+        *TINY,
+        "data=text",
+        "data.train_files=[input.txt]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=2",
+        "train.eval_interval=0",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    sizes = re.search(r"data: text \(gpt2\), ([\d,]+) train / ([\d,]+) val", result.stdout)
+    train, val = sizes.groups()
+    assert 0.05 < int(val.replace(",", "")) / int(train.replace(",", "")) < 0.15
+    assert json.loads(result.stdout.strip().splitlines()[-1])["step"] == 2
+
+
+def test_final_eval_none_skips_it_and_the_printed_sample_command_works_from_anywhere(
+    tmp_path, corpus
+):
+    run_dir = tmp_path / "run"
+    result = run_script(
+        "train.py",
+        *TINY,
+        *corpus,
+        "train.max_steps=2",
+        "train.final_eval=none",
+        "hydra.run.dir=run",  # relative: the printed command must not be
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["val_loss"] is None and summary["final_eval"] == "none"
+    assert "no final evaluation" in result.stdout
+    assert not any("final_val_loss" in line for line in (run_dir / "metrics.jsonl").open())
+    (command,) = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = shlex.split(command.removeprefix("sample: "))
+    assert argv[0] == "python"
+    sampled = subprocess.run(
+        [sys.executable, *argv[1:], "max_new_tokens=3", "prompt=Hi"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("Hi")

@@ -1,0 +1,137 @@
+"""A record of the run that needs no account: `<run_dir>/metrics.jsonl` and `<run_dir>/loss.png`.
+
+metrics.jsonl holds one JSON object per logged step: `step`, `tokens` (seen so far), the
+training values (`train_loss`, `train_lr`, `train_tokens_per_s`, ...) and, at evaluations,
+`val_loss`, `val_bpb`, `val_loss_stderr` (and `final_val_*` on the last row). A step's values
+can arrive in several calls (training, then its evaluation); its row is written, flushed and
+fsynced once the next step begins or the run ends, so a kill loses at most that last row. A line
+torn by a kill is ignored when the file is read, and a resumed run drops the rows after its
+checkpoint's step (it will log them again): the file never holds a step twice.
+
+loss.png plots train and val loss against tokens seen, with val bpb on a second axis; it is
+redrawn at each evaluation and at the end, written to a temporary file and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The complete rows of a metrics.jsonl; a torn (unparseable) line is skipped."""
+    rows = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """`write(tmp_path)`, then rename over `path`: readers see the old file or the new one.
+    A plain file name (not mkstemp's 0600 file), so the file follows the user's umask."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl and loss.png; a disabled log (other ranks) does nothing."""
+
+    def __init__(self, run_dir: str | Path, tokens_per_step: int, step: int, enabled: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.plot_path = Path(run_dir) / PLOT_FILE
+        self.tokens_per_step = tokens_per_step
+        self.enabled = enabled
+        self.rows: list[dict[str, Any]] = []
+        self._pending: dict[str, Any] | None = None  # the current step's row, not yet written
+        if not enabled:
+            return
+        self.rows = [r for r in read_metrics(self.path) if r["step"] <= step]
+        if self.path.exists():  # drop a torn line and the steps a resume will repeat
+            text = "".join(json.dumps(r) + "\n" for r in self.rows)
+            if self.path.read_text(encoding="utf-8") != text:
+                _atomic_write(self.path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Add values to `step`'s row; names like `val/loss` become `val_loss`."""
+        if not self.enabled:
+            return
+        if self._pending is not None and self._pending["step"] != step:
+            self._write()
+        if self._pending is None:
+            self._pending = {"step": step, "tokens": step * self.tokens_per_step}
+        self._pending.update({k.replace("/", "_"): v for k, v in metrics.items()})
+
+    def _write(self) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(self._pending) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows.append(self._pending)
+        self._pending = None
+
+    def close(self) -> None:
+        """Write the last row (at the end of the run, or when it stops)."""
+        if self.enabled and self._pending is not None:
+            self._write()
+
+    def plot(self) -> None:
+        """Redraw loss.png from every row so far (the current step's included)."""
+        if not self.enabled:
+            return
+        rows = self.rows + ([self._pending] if self._pending else [])
+        _atomic_write(self.plot_path, lambda tmp: draw(rows, tmp, self.path.parent.name))
+
+
+def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
+    """Train and val loss against tokens seen, val bpb on a second axis, as a PNG."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import EngFormatter
+
+    def series(key: str) -> tuple[list[float], list[float]]:
+        points = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None]
+        return [x for x, _ in points], [y for _, y in points]
+
+    fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    bpb = ax.twinx()
+    styles = [
+        (ax, "train_loss", dict(color="tab:blue", lw=1, label="train loss")),
+        (ax, "val_loss", dict(fmt="o-", color="tab:orange", ms=4, label="val loss")),
+        (ax, "final_val_loss", dict(fmt="*", color="tab:red", ms=11, label="final val loss")),
+        (bpb, "val_bpb", dict(fmt="s", color="tab:green", ms=4, mfc="none", label="val bpb")),
+    ]
+    for axis, key, style in styles:
+        x, y = series(key)
+        if y:  # a series the run does not have (no final evaluation) gets no legend entry
+            axis.plot(x, y, style.pop("fmt", "-"), **style)
+    x, y = series("val_bpb")
+    if y:
+        bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), textcoords="offset points", xytext=(-8, 6))
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats/token)")
+    bpb.set_ylabel("val bits per byte", color="tab:green")
+    handles = ax.get_legend_handles_labels()[0] + bpb.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper right", fontsize="small")
+    ax.set_title(title, fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, format="png")
