@@ -14,8 +14,9 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from core.checkpoint import latest_checkpoint
 from core.device import resolve_device, resolve_dtype
+from core.sources import load_source
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream
@@ -86,9 +87,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
-    ckpt = load_checkpoint(path, device)
+    source = cfg["checkpoint"]
+    ckpt = load_source(latest_checkpoint("outputs") if source is None else str(source), device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
     eot = tokenizer.eot_token

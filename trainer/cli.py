@@ -7,18 +7,39 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from core.errors import EXIT_USER_ERROR
 from trainer.config import RunConfig
+from trainer.init_from import RUNTIME_KEYS
 
 
 def run_config(cfg: DictConfig) -> tuple[RunConfig, dict]:
-    """The validated run config and the resolved plain tree (saved with checkpoints)."""
+    """The validated run config and the resolved plain tree (saved with checkpoints). With
+    train.init_from, its model section holds only what the run asks of the source model."""
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     resolved.pop("hydra", None)
+    if (resolved.get("train") or {}).get("init_from") is not None:
+        resolved["model"] = requested_model(resolved["model"])
     return RunConfig.from_dict(resolved), resolved
+
+
+def requested_model(model: dict[str, Any]) -> dict[str, Any]:
+    """The model keys this run sets itself: the run-time ones (trainer/init_from.py), and those
+    named on the command line or differing from the default composition of the same config
+    (set by an experiment or a model=<preset> choice). The default preset's other values are
+    not a request: the architecture of train.init_from's source replaces them."""
+    hydra_cfg = HydraConfig.get()
+    default = compose(config_name=hydra_cfg.job.config_name, overrides=[])
+    default_model = OmegaConf.to_container(default.model, resolve=True)
+    parsed = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
+    named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
+    keep = {"block_size", *RUNTIME_KEYS, *named}
+    return {k: v for k, v in model.items() if k in keep or default_model.get(k, v) != v}
 
 
 class CheckRunDir(Callback):

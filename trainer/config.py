@@ -57,6 +57,7 @@ class TrainSettings:
     ckpt_interval: int = 100  # steps between `last` checkpoints (0: only at the end)
     log_interval: int = 10  # steps between console / wandb lines
     resume: str | None = None  # null | auto | a checkpoint or run directory
+    init_from: str | None = None  # null | a GPT-2 name | a HF GPT-2 dir | a checkpoint or run dir
     on_nan: str = "stop"  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int = 64  # tokens per sample generation logged at each evaluation (0: none)
 
@@ -69,6 +70,10 @@ class TrainSettings:
             raise ConfigError(f"train.max_seconds must be positive or null, got {self.max_seconds}")
         if self.resume is not None and not isinstance(self.resume, str):
             raise ConfigError(f"train.resume must be null, auto or a path, got {self.resume!r}")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise ConfigError(
+                f"train.init_from must be null, a GPT-2 name or a path, got {self.init_from!r}"
+            )
         _choice("train.on_nan", self.on_nan, ("stop", "skip"))
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from core.checkpoint import latest_checkpoint
 from core.device import Precision, resolve_device, resolve_precision
+from core.sources import load_source
 from data import DataError, iter_eval_batches, prepare
 from data.tokenizer import tokenizer_fingerprint
 from model import GPT
@@ -119,11 +120,11 @@ def evaluate(
 def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
     split, or on any UTF-8 `text_file`. See configs/evaluate.yaml for the keys."""
-    path = cfg["checkpoint"]
-    path = latest_checkpoint("outputs") if path is None else resolve_checkpoint(str(path))
+    source = cfg["checkpoint"]
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_source(latest_checkpoint("outputs") if source is None else str(source), device)
+    path = ckpt.path
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()

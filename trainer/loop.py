@@ -57,6 +57,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
+from trainer.init_from import pretrained_model
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.tracking import Tracker
 
@@ -148,7 +149,13 @@ class Trainer:
         with main_first():
             self.data = prepare(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
-        self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
+        init_from = cfg.train.init_from  # pretrained weights, else a random initialization
+        model = (
+            pretrained_model(init_from, cfg.model, self.data)
+            if init_from
+            else GPT(model_config_for(cfg.model, self.data))
+        )
+        self.model = model.to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self._resume_checkpoint()
