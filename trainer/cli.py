@@ -24,22 +24,32 @@ def run_config(cfg: DictConfig) -> tuple[RunConfig, dict]:
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     resolved.pop("hydra", None)
     if (resolved.get("train") or {}).get("init_from") is not None:
-        resolved["model"] = requested_model(resolved["model"])
+        hydra_cfg = HydraConfig.get()
+        default = compose(config_name=hydra_cfg.job.config_name, overrides=[])
+        resolved["model"] = requested_model(
+            resolved["model"],
+            OmegaConf.to_container(default.model, resolve=True),
+            list(hydra_cfg.overrides.task),
+        )
     return RunConfig.from_dict(resolved), resolved
 
 
-def requested_model(model: dict[str, Any]) -> dict[str, Any]:
-    """The model keys this run sets itself: the run-time ones (trainer/init_from.py), and those
-    named on the command line or differing from the default composition of the same config
-    (set by an experiment or a model=<preset> choice). The default preset's other values are
-    not a request: the architecture of train.init_from's source replaces them."""
-    hydra_cfg = HydraConfig.get()
-    default = compose(config_name=hydra_cfg.job.config_name, overrides=[])
-    default_model = OmegaConf.to_container(default.model, resolve=True)
-    parsed = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
+def requested_model(
+    model: dict[str, Any], default_model: dict[str, Any], overrides: list[str]
+) -> dict[str, Any]:
+    """The model keys a run sets itself: the run-time ones (trainer/init_from.py), those named
+    in its command-line `overrides`, and those differing from `default_model`, the model section
+    of the config composed without overrides (so set by an experiment or a model=<preset>
+    choice). The default preset's other values are no request: train.init_from's source
+    replaces them."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
     named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
     keep = {"block_size", *RUNTIME_KEYS, *named}
-    return {k: v for k, v in model.items() if k in keep or default_model.get(k, v) != v}
+    return {
+        k: v
+        for k, v in model.items()
+        if k in keep or k not in default_model or default_model[k] != v
+    }
 
 
 class CheckRunDir(Callback):
