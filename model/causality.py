@@ -397,15 +397,28 @@ def shrunk_config(model_values: dict[str, Any], max_layers: int | None = None) -
 def guard_report(model_values: dict[str, Any], seed: int = 0) -> tuple[CausalityReport, dict]:
     """Check a shrunk copy of the architecture with its own attention implementation, leaving
     torch's RNG as it was. Returns the report and the record kept with checkpoints."""
-    start = time.perf_counter()
     config = shrunk_config(model_values, GUARD_LAYERS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        report = check_causality(GPT(config), seed=seed, attention=(config.attention,))
+        model = GPT(config)
+    sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("n_layer", "n_embd", "vocab_size"))
+    return _timed_report(model, f"a shrunk copy (same options): {sizes}", seed)
+
+
+def loaded_model_report(model: GPT, seed: int = 0) -> tuple[CausalityReport, dict]:
+    """The guard for loaded weights, whose architecture cannot be shrunk: the model itself,
+    with its own attention implementation, on a short sequence."""
+    c = model.config
+    return _timed_report(model, f"the loaded model: n_layer={c.n_layer}, n_embd={c.n_embd}", seed)
+
+
+def _timed_report(model: GPT, description: str, seed: int) -> tuple[CausalityReport, dict]:
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        report = check_causality(model, seed=seed, attention=(model.config.attention,))
     record = {
         **report.summary(),
-        "model": "a shrunk copy (same options): "
-        + ", ".join(f"{k}={getattr(config, k)}" for k in ("n_layer", "n_embd", "vocab_size")),
+        "model": description,
         "seconds": round(time.perf_counter() - start, 3),
     }
     return report, record

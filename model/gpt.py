@@ -21,6 +21,7 @@ The defaults are GPT-2 (model/hf.py loads its weights); each option of GPTConfig
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -204,6 +205,28 @@ class GPT(nn.Module):
         return KVCache(
             c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size, w.device, w.dtype
         )
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context to `block_size` (at most the current one), as nanoGPT's does for
+        fine-tuning pretrained weights on shorter windows: the first block_size rows of the
+        position table and of each causal mask are kept; rope recomputes its tables."""
+        if not 0 < block_size <= self.config.block_size:
+            raise ValueError(
+                f"model.block_size={block_size} cannot crop a model of block_size "
+                f"{self.config.block_size}: use at most {self.config.block_size}"
+            )
+        self.config = dataclasses.replace(self.config, block_size=block_size)
+        if "wpe" in self.transformer:
+            wpe = self.transformer.wpe
+            wpe.weight = nn.Parameter(wpe.weight[:block_size])  # (block_size, C)
+            wpe.num_embeddings = block_size
+        for block in self.transformer.h:
+            block.attn.causal_mask = block.attn.causal_mask[:block_size, :block_size]
+        if self.rotary is not None:
+            c = self.config
+            self.rotary = RotaryTables(c.head_size, block_size, c.rope_base).to(
+                self.transformer.wte.weight.device
+            )
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count (tied weights once); by default without position embeddings, as

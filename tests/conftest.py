@@ -39,3 +39,25 @@ def shakespeare_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def shakespeare(shakespeare_cache: str) -> PreparedData:
     return prepare_data({"name": "shakespeare", "cache_dir": shakespeare_cache}, verbose=False)
+
+
+def save_tiny_hf_gpt2(path, seed: int = 0, **overrides):
+    """A small random GPT-2 saved by transformers' save_pretrained (config.json +
+    model.safetensors): a stand-in for the hub's GPT-2, which tests cannot download."""
+    import transformers
+
+    torch.manual_seed(seed)
+    values = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=50257, n_positions=64)
+    config = transformers.GPT2Config(**{**values, **overrides})
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A directory holding a tiny Hugging Face GPT-2 (see save_tiny_hf_gpt2)."""
+    pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
+    path = tmp_path_factory.mktemp("hf-gpt2")
+    save_tiny_hf_gpt2(path)
+    return path

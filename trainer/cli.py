@@ -28,6 +28,7 @@ from base.errors import EXIT_USER_ERROR, ConfigError, user_errors
 from core.checkpoint import resume_source, verify_checkpoint
 from model import GPTConfig
 from trainer.config import RunConfig
+from trainer.init_from import RUNTIME_KEYS
 
 CONFIG_NAME = "train"
 HYDRA_DIR = ".hydra"
@@ -68,6 +69,9 @@ def run_config(
     the key. So `python train.py hydra.run.dir=<dir> train.resume=auto` continues a run as it
     was started, whatever overrides that took."""
     composed = _resolved(cfg)
+    if composed["train"].get("init_from") is not None:  # the source fixes the rest of the model
+        default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
+        composed["model"] = requested_model(composed["model"], default_model, overrides)
     _validated(composed)  # a bad value is named as typed, before any comparison
     resume = composed["train"].get("resume")
     saved = saved_config(resume, run_dir) if resume is not None else None
@@ -77,6 +81,24 @@ def run_config(
     defaults = _resolved(compose(config_name=CONFIG_NAME))
     resolved = resumed_config(saved, composed, defaults, keys, resume)
     return _validated(resolved), resolved
+
+
+def requested_model(
+    model: dict[str, Any], default_model: dict[str, Any], overrides: list[str]
+) -> dict[str, Any]:
+    """The model keys a run sets itself: the run-time ones (trainer/init_from.py), those named
+    in its command-line `overrides`, and those differing from `default_model`, the model section
+    of the config composed without overrides (so set by an experiment or a model=<preset>
+    choice). The default preset's other values are no request: train.init_from's source
+    replaces them."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
+    keep = {"block_size", *RUNTIME_KEYS, *named}
+    return {
+        k: v
+        for k, v in model.items()
+        if k in keep or k not in default_model or default_model[k] != v
+    }
 
 
 def _validated(resolved: dict[str, Any]) -> RunConfig:

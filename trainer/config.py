@@ -63,6 +63,7 @@ class TrainSettings:
     keep_checkpoints: int  # step-<step> checkpoints kept besides last and best (0: none)
     log_interval: int  # steps between console / wandb lines
     resume: str | None  # null | auto | a checkpoint or run directory
+    init_from: str | None  # null | a GPT-2 name | a HF GPT-2 dir | a checkpoint or run dir
     on_nan: str  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
     skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
@@ -79,6 +80,8 @@ class TrainSettings:
             check("train.max_seconds", seconds, seconds > 0, "positive or null")
         resume_ok = self.resume is None or isinstance(self.resume, str)
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
+        init_ok = self.init_from is None or isinstance(self.init_from, str)
+        check("train.init_from", self.init_from, init_ok, "null, a GPT-2 name or a path")
         _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
         _one_of("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
         boolean("train.skip_memory_check", self.skip_memory_check)

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from base.checks import check, is_int
-from core.checkpoint import find_checkpoint, load_checkpoint
+from core.checkpoint import find_checkpoint
 from core.device import Precision, resolve_device, resolve_precision
+from core.sources import load_source
 from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
 from data.text_files import read_utf8
 from model import GPT, eval_mode
@@ -118,10 +119,11 @@ def evaluate(
 def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
     split, or on any UTF-8 `text_file`. See configs/evaluate.yaml for the keys."""
-    path = find_checkpoint(cfg["checkpoint"])
+    source = cfg["checkpoint"]
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_source(find_checkpoint(None) if source is None else source, device)
+    path = ckpt.path
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()

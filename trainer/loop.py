@@ -62,6 +62,7 @@ from trainer.distributed import (
 )
 from trainer.evaluation import EvalResult, evaluate
 from trainer.guard import causality_guard
+from trainer.init_from import pretrained_model
 from trainer.memory import check_memory
 from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
@@ -150,7 +151,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.dist = DistInfo.from_env()
-        self.causality = causality_guard(cfg, verbose=self.dist.is_main)  # before any data
+        # The causality guard, before any data: a shrunk copy of the configured architecture
+        # (with train.init_from, the loaded model itself, once it is loaded: see below).
+        if not cfg.train.init_from:
+            self.causality = causality_guard(cfg, verbose=self.dist.is_main)
         if self.dist.enabled and cfg.parallel.strategy == "fsdp" and cfg.optim.name == "muon":
             raise ConfigError(
                 "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
@@ -172,13 +176,19 @@ class Trainer:
         with main_first():
             self.data = prepare_data(cfg.data, verbose=self.dist.is_main)
         self.tokenizer = self.data.tokenizer()
-        model_config = model_config_for(cfg.model, self.data)
+        init_from = cfg.train.init_from  # pretrained weights, else a random initialization
+        if init_from:  # the source fixes the architecture; its weights are checked causal
+            model = pretrained_model(init_from, cfg.model, self.data)
+            self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
+            model_config = model.config
+        else:
+            model_config = model_config_for(cfg.model, self.data)
         _, memory = check_memory(  # before allocating: a run that cannot fit is refused
             model_config, cfg, self.precision, self.dist.world_size if self.sharded else 1
         )
         if self.dist.is_main:
             print(memory)
-        self.model = GPT(model_config).to(self.device)
+        self.model = (model if init_from else GPT(model_config)).to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self._resume_checkpoint()

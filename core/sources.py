@@ -1,0 +1,105 @@
+"""Where a model comes from: the one resolver behind train.init_from, sample.py, evaluate.py and
+export.py, so that every place accepting a model accepts the same three kinds of source:
+
+1. a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl): fetched through the Hugging Face hub
+   client, which downloads it once and then serves it from its cache (HF_HUB_OFFLINE=1: the cache
+   alone);
+2. a local directory holding a Hugging Face GPT-2 model (config.json + model.safetensors or
+   pytorch_model.bin, the latter read with weights_only=True: no code runs);
+3. one of our checkpoint or run directories (core/checkpoint.py).
+
+Each loads as a `Checkpoint`: the model, its tokenizer's name and metadata. A Hugging Face model
+has no run config of ours; its stand-in has one data section, `HF_DATA` (the Shakespeare plays,
+GPT-2's tokenizer), which is what `evaluate.py checkpoint=gpt2` scores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from base.errors import ConfigError
+from core.checkpoint import MANIFEST_FILE, Checkpoint, CheckpointError, load_checkpoint
+from core.checkpoint import resolve_checkpoint as resolve_our_checkpoint
+from model.hf import load_hf_gpt2
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
+ACCEPTED = (
+    f"a GPT-2 name ({', '.join(GPT2_NAMES)}), a Hugging Face GPT-2 directory (config.json + "
+    f"{' or '.join(HF_WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
+)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory (ours carry a manifest.json; theirs do not)."""
+    return (
+        (path / "config.json").is_file()
+        and not (path / MANIFEST_FILE).is_file()
+        and any((path / name).is_file() for name in HF_WEIGHT_FILES)
+    )
+
+
+def download_gpt2(name: str) -> Path:
+    """The local directory of GPT-2 `name` in the hub client's cache, downloaded if missing
+    (config.json and model.safetensors only: every GPT-2 repository has safetensors)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
+            f"HF_HUB_OFFLINE=1); download it once with network access, or point at a local copy: "
+            f"a directory with config.json and model.safetensors, e.g. "
+            f"train.init_from=/path/to/{name} (or checkpoint=/path/to/{name})"
+        ) from None
+    except OSError as e:  # the hub's HTTP errors derive from OSError too
+        raise ConfigError(f"could not download {name} from the Hugging Face hub: {e}") from None
+
+
+def load_hf_dir(path: Path, device: str | torch.device = "cpu", **overrides: Any) -> Checkpoint:
+    """A Hugging Face GPT-2 directory as a Checkpoint (GPT-2's tokenizer, no trainer state)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "gpt2":
+        raise CheckpointError(
+            f"{path} holds a {model_type!r} model; Hugging Face directories must hold GPT-2 "
+            "(model_type 'gpt2' in config.json)"
+        )
+    try:
+        model = load_hf_gpt2(path, **overrides)
+    except (KeyError, RuntimeError) as e:  # missing tensors; unreadable weights
+        raise CheckpointError(f"cannot load the GPT-2 weights in {path}: {e}") from None
+    meta = {"tokenizer": "gpt2", "source": str(path), "step": None}
+    return Checkpoint(path, model.to(device), {"data": dict(HF_DATA)}, meta)
+
+
+def load_source(
+    source: str | Path, device: str | torch.device = "cpu", **overrides: Any
+) -> Checkpoint:
+    """Load any model source (see the module docstring) on `device`; overrides: run-time
+    GPTConfig fields (dropout, attention)."""
+    name = str(source)
+    if name in GPT2_NAMES and not Path(name).exists():
+        ckpt = load_hf_dir(download_gpt2(name), device, **overrides)
+        ckpt.meta["source"] = name
+    else:
+        path = Path(name).expanduser()
+        if is_hf_dir(path):
+            ckpt = load_hf_dir(path, device, **overrides)
+        else:
+            try:
+                path = resolve_our_checkpoint(path)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; a model source is {ACCEPTED}") from None
+            ckpt = load_checkpoint(path, device, **overrides)
+    return ckpt

@@ -1,0 +1,114 @@
+"""export.py's directories load in plain transformers and compute our logits; options without an
+exact equivalent, other tokenizers and a non-empty `out` are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from base.errors import ConfigError
+from core.checkpoint import save_checkpoint
+from core.export import export_checkpoint
+from data.tokenizer import get_tokenizer
+from model import GPT
+from tests.conftest import tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = "First Citizen:\nBefore we proceed, hear me speak.\n\n  Café naïve, 1599 & 42\tÆsop's ’tis\n"
+RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
+
+
+def checkpoint(tmp_path, meta=None, **options):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=50257, **options))
+    with torch.no_grad():  # nonzero biases and gains: a mapping that drops one would show
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.normal_(0, 0.5)
+    meta = {"step": 7, "tokenizer": "gpt2", **(meta or {})}
+    return save_checkpoint(tmp_path / "ckpt", model, RUN, meta), model.eval()
+
+
+def export(tmp_path, path, **cfg):
+    return export_checkpoint({"checkpoint": str(path), "out": str(tmp_path / "out"), **cfg})
+
+
+@pytest.mark.parametrize(
+    "options, architecture",
+    [
+        ({}, "GPT2LMHeadModel"),
+        ({"bias": False, "tie_embeddings": False, "mlp_ratio": 2}, "GPT2LMHeadModel"),
+        ({"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"}, "LlamaForCausalLM"),
+        (
+            {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+             "tie_embeddings": False, "rope_base": 500.0},
+            "LlamaForCausalLM",
+        ),
+    ],
+)  # fmt: skip
+def test_transformers_computes_our_logits(tmp_path, options, architecture):
+    path, ours = checkpoint(tmp_path, **options)
+    out = export(tmp_path, path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs).__name__ == architecture
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], atol=1e-4, rtol=0)
+
+
+def test_the_tokenizer_gives_tiktokens_ids(tmp_path):
+    out = export(tmp_path, checkpoint(tmp_path)[0])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(TEXT)["input_ids"]
+    assert ids == get_tokenizer("gpt2").encode_ordinary(TEXT)
+    assert tokenizer.decode(ids) == TEXT and tokenizer.eos_token_id == 50256
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"mlp": "relu2"}, "model.mlp='relu2'"),
+        ({"qk_norm": True}, "model.qk_norm=True"),
+        ({"logit_softcap": 30.0}, "model.logit_softcap=30.0"),
+        ({"norm": "rmsnorm"}, "model.norm='rmsnorm'"),
+        ({"pos_embedding": "rope"}, "model.norm='layernorm'"),
+        ({"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "gelu"}, "model.mlp='gelu'"),
+    ],
+)
+def test_options_without_an_equivalent_are_named(tmp_path, options, named):
+    path, _ = checkpoint(tmp_path, **options)
+    with pytest.raises(ConfigError, match=f"^{named.replace('.', '[.]')} has no equivalent"):
+        export(tmp_path, path)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directory left
+
+
+def test_other_tokenizers_are_refused(tmp_path):
+    path, _ = checkpoint(tmp_path, meta={"tokenizer": "bytes"})
+    with pytest.raises(ConfigError, match="data.tokenizer=bytes has no Hugging Face tokenizer"):
+        export(tmp_path, path)
+
+
+def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
+    path, _ = checkpoint(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="exists and is not empty; pass overwrite=true"):
+        export(tmp_path, path)
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
+    out = export(tmp_path, path, overwrite=True)
+    assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
+    with pytest.raises(ConfigError, match="out is required"):
+        export_checkpoint({"checkpoint": str(path), "out": None})
+
+
+def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
+    meta = {"val_loss": 3.25, "val_bpb": 1.625, "causality": {"passed": True, "checks": 3}}
+    card = (export(tmp_path, checkpoint(tmp_path, meta=meta)[0]) / "README.md").read_text()
+    assert '"name": "shakespeare"' in card and "Steps: 7" in card
+    assert "1.6250 bits per byte" in card and "Initialized from: random weights" in card
+    assert 'Causality check: {"passed": true, "checks": 3}' in card
+    card = (export(tmp_path, checkpoint(tmp_path)[0], overwrite=True) / "README.md").read_text()
+    assert "not recorded" in card and "Causality" not in card
