@@ -127,21 +127,29 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
         targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
-        With a cache, idx holds only the new tokens and positions continue from the cache."""
-        return self.forward_embeddings(self.transformer.wte(idx), targets, cache)
+        With a cache, idx holds only the new tokens and positions continue from the cache.
+        last_only: logits of the last position only, (B, 1, vocab): all that generation needs,
+        and the head over a 50k vocabulary is the costliest matmul of a small model."""
+        return self.forward_embeddings(self.transformer.wte(idx), targets, cache, last_only)
 
     def forward_embeddings(
         self,
         tok_emb: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` from token embeddings (B, T, C): lets the causality tests differentiate the
         logits with respect to the inputs."""
+        if last_only and targets is not None:
+            raise ValueError("last_only computes no loss: the loss needs every position")
         x, _ = self._trunk(tok_emb, cache, need_weights=False)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
         logits = self.lm_head(x)  # (B, T, vocab)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
