@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.device import cpu_name  # noqa: E402
+from core.device import cpu_auto_dtype, cpu_name  # noqa: E402
 from inference import SamplingParams, generate  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -75,7 +75,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--new-tokens", type=int, default=500)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: default")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="weight dtypes of our rows")
+    parser.add_argument(
+        "--dtypes",
+        default="auto",
+        help="weight dtypes of our rows, e.g. float32,bfloat16; auto: float32, and bfloat16 "
+        "too where dtype=auto's probe picks it on this CPU",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,9 +93,8 @@ def main() -> None:
         f"nanoGPT's 30M shape (6x384, block 256, vocab 50,304), batch 1, {n} new tokens; "
         f"copy bandwidth {bw / 1e9:.1f} GB/s\n"
     )
-    print(
-        "| generation | weights | MB read/token | roofline tok/s | tok/s | of roofline | vs nanoGPT |"
-    )
+    header = "generation | weights | MB read/token | roofline tok/s | tok/s | of roofline"
+    print(f"| {header} | vs nanoGPT |")
     print("|---|---|---:|---:|---:|---:|---:|")
     rows = []
     model = GPT(GPTConfig(**SHAPE, attention="sdpa")).eval()
@@ -104,7 +108,12 @@ def main() -> None:
         )
     )
     sample = SamplingParams(temperature=1.0)
-    for dtype in args.dtypes.split(","):
+    dtypes = args.dtypes.split(",")
+    if args.dtypes == "auto":
+        picked, why = cpu_auto_dtype()
+        print(f"{why}\n")
+        dtypes = ["float32", "bfloat16"] if picked == torch.bfloat16 else ["float32"]
+    for dtype in dtypes:
         ours = GPT(GPTConfig(**SHAPE)).eval().to(getattr(torch, dtype))
         generate(ours, prompt, 5, sample, gen)  # warm-up
         rows.append(

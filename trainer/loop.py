@@ -358,7 +358,8 @@ class Trainer:
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
             f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
             f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
-            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}, MFU vs {peak_source}\n"
+            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}"
+            f"{f' ({self.precision.why})' if self.precision.why else ''}, MFU vs {peak_source}\n"
             f"{self.tracker.location}"
         )
         if getattr(self, "resumed_from", None):
