@@ -220,6 +220,18 @@ def measured_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024)
     return 2 * n**3 / best
 
 
+def cpu_bf16_features() -> list[str]:
+    """This CPU's flags for native bfloat16 arithmetic (none: bfloat16 is emulated)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return []
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"})
+    return []
+
+
 def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
     cpuinfo = Path("/proc/cpuinfo")
