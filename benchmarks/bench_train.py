@@ -121,9 +121,10 @@ def machine(args: argparse.Namespace) -> str:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from core.device import cpu_name
+    from core.device import cpu_auto_dtype, cpu_bf16_features, cpu_name
 
-    cpu = cpu_name()
+    features = ", ".join(cpu_bf16_features()) or "none: bfloat16 is emulated"
+    cpu = f"{cpu_name()} (bf16 features: {features}; {cpu_auto_dtype()[1]})"
     device = resolve_device(args.device)
     gpu = f", GPU: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     return (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -35,11 +37,21 @@ GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# dtype=auto on a CPU: bfloat16 only where this machine's probe shows its matmuls clearly faster
+# than float32's (native bf16: AMX or AVX512-BF16, ~4-6x); where bf16 is emulated it is 7-18x
+# slower. The probe is one matmul of a small model's MLP shape (tokens x C x 4C).
+PROBE_SHAPE = (1024, 512, 2048)
+BF16_MIN_SPEEDUP = 1.3
+# Skips the probe with a fixed answer (float32 or bfloat16): the test suite pins float32 so that
+# its figures do not depend on the CPU it runs on.
+AUTO_DTYPE_ENV = "CAUSALGPT_CPU_AUTO_DTYPE"
+
 
 @dataclass
 class Precision:
     device: torch.device
     dtype: torch.dtype  # the autocast dtype; float32 means no autocast
+    why: str = ""  # how dtype=auto decided, for the startup line
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
@@ -73,11 +85,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on GPUs that support it, float16 on older GPUs, float32 elsewhere
-    (bfloat16 on CPU is opt-in: `dtype=bfloat16`)."""
+    """`auto`: bfloat16 on GPUs that support it, float16 on older GPUs; on a CPU, bfloat16 where
+    this machine's probe measured its matmuls clearly faster than float32 (`cpu_auto_dtype`);
+    float32 elsewhere."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu":
+            return cpu_auto_dtype()[0]
         return torch.float32
     if name not in DTYPES:
         raise ConfigError(f"dtype={name!r} is unknown; choose auto or one of {list(DTYPES)}")
@@ -88,7 +103,74 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_precision(device: torch.device, dtype: str) -> Precision:
     """The autocast precision for training: see `resolve_dtype`."""
-    return Precision(device, resolve_dtype(dtype, device))
+    why = cpu_auto_dtype()[1] if dtype == "auto" and device.type == "cpu" else ""
+    return Precision(device, resolve_dtype(dtype, device), why)
+
+
+def fast_matmul_dtype(device: torch.device) -> torch.dtype:
+    """The dtype for matmul-heavy work that tolerates bfloat16 (Muon's Newton-Schulz): bfloat16
+    on CUDA, and on a CPU whose probe picked it; float32 elsewhere."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu":
+        return cpu_auto_dtype()[0]
+    return torch.float32
+
+
+def precision_cache_file() -> Path:
+    root = os.environ.get("CAUSALGPT_CACHE") or Path.home() / ".cache" / "causalgpt"
+    return Path(root).expanduser() / "cpu_precision.json"
+
+
+@cache
+def cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """(the CPU's dtype for dtype=auto, a line saying why). Measured once per machine, torch
+    version and thread count (`bf16_speedup`, a second or two), then read from a JSON file in
+    the cache directory; CAUSALGPT_CPU_AUTO_DTYPE=float32|bfloat16 skips the probe."""
+    pinned = os.environ.get(AUTO_DTYPE_ENV)
+    if pinned:
+        if pinned not in ("float32", "bfloat16"):
+            raise ConfigError(f"{AUTO_DTYPE_ENV}={pinned!r}: use float32 or bfloat16")
+        return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
+    key = f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    file = precision_cache_file()
+    try:
+        known = json.loads(file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    speedup = known.get(key)
+    if not isinstance(speedup, (int, float)) or speedup <= 0:
+        speedup = bf16_speedup()
+        known[key] = speedup
+        with contextlib.suppress(OSError):  # a read-only home only costs a probe per run
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f".{file.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(known, indent=2))
+            os.replace(tmp, file)
+    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    verdict = "picked" if dtype == torch.bfloat16 else f"under {BF16_MIN_SPEEDUP}x: float32"
+    return dtype, f"dtype=auto: bfloat16 matmuls {speedup:.2f}x float32's on this CPU ({verdict})"
+
+
+def bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = 3) -> float:
+    """float32 time / bfloat16 time of one (m, k) @ (k, n) matmul, best of `repeats` each."""
+    m, k, n = shape
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
+    a = torch.randn(m, k, generator=generator)
+    b = torch.randn(k, n, generator=generator)
+
+    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+        x @ y  # warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(a, b) / best(a.bfloat16(), b.bfloat16())
 
 
 def configure_backends(device: torch.device) -> None:
@@ -136,6 +218,18 @@ def measured_cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024)
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+def cpu_bf16_features() -> list[str]:
+    """This CPU's flags for native bfloat16 arithmetic (none: bfloat16 is emulated)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return []
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"})
+    return []
 
 
 def cpu_name() -> str:

@@ -141,12 +141,17 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         embeddings: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
         targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
         With a cache, idx holds only the new tokens and positions continue from the cache.
         `embeddings` (B, T, C) replaces wte[idx] (soft prompts; gradients with respect to the
-        inputs, as the causality checks take them)."""
+        inputs, as the causality checks take them). last_only: logits of the last position only,
+        (B, 1, vocab): all that generation needs, and the head over a 50k vocabulary is the
+        costliest matmul of a small model."""
+        if last_only and targets is not None:
+            raise ValueError("last_only computes no loss: the loss needs every position")
         tok_emb = self.transformer.wte(idx) if embeddings is None else embeddings  # (B, T, C)
         start = cache.length if cache is not None else 0
         x, rope = self.embed(tok_emb, start)
@@ -154,6 +159,8 @@ class GPT(nn.Module):
             x = block(x, cache, rope)
         if cache is not None:
             cache.advance(x.size(1))
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, vocab)
         if self.config.logit_softcap is not None:

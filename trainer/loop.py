@@ -469,7 +469,8 @@ class Trainer:
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
             f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
             f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
-            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}, "
+            f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}"
+            f"{f' ({self.precision.why})' if self.precision.why else ''}, "
             f"MFU vs {self.peak_source}\n{self.tracker.location}"
         )
         if self.resumed_from is not None:

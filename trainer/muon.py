@@ -10,7 +10,8 @@ fewer steps than AdamW (the modded-nanogpt speedruns, Moonlight).
 
 How. Momentum with Nesterov, then U V^T approximated without an SVD by a quintic Newton-Schulz
 iteration X <- a X + b (X X^T) X + c (X X^T)^2 X on X = M / ||M||_F, 5 steps, in bfloat16 on
-GPUs (float32 elsewhere: CPU bfloat16 matmuls are 7-30x slower than float32 ones here),
+GPUs and on CPUs whose dtype=auto probe picked it (float32 elsewhere: where bfloat16 is emulated
+its matmuls are 7-30x slower than float32's; core/device.py),
 (a, b, c) = (3.4445, -4.7750, 2.0315). The coefficients are tuned for speed, not for exact
 convergence: singular values land in roughly [0.68, 1.2] rather than at 1, which trains as well.
 Near-zero ones (below ~1e-3 of ||M||_F) are only multiplied by a^5 ~ 485 and stay small: the
@@ -43,12 +44,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from core.device import fast_matmul_dtype
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """An approximately semi-orthogonal matrix U V^T for g = U S V^T (2-D), in bfloat16 on CUDA
-    (tensor cores) and float32 on other devices (no fast bfloat16 matmul on most CPUs).
+    """An approximately semi-orthogonal matrix U V^T for g = U S V^T (2-D), in bfloat16 where
+    its matmuls are fast (CUDA; a CPU whose dtype=auto probe picked it), else float32.
 
     The Frobenius normalization puts every singular value in (0, 1], where the quintic's
     iteration pushes them towards ~1. Wide or tall: iterate on the wide orientation, whose
@@ -56,7 +59,7 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
     if g.dim() != 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(g.shape)}")
     a, b, c = NS_COEFFICIENTS
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    x = g.to(fast_matmul_dtype(g.device))
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.mT

@@ -1,12 +1,18 @@
 """The peak FLOP/s that MFU is measured against: datasheet figures for known GPUs (matched by
-the name torch reports), none for unknown ones, a measured rate on the CPU."""
+the name torch reports), none for unknown ones, a measured rate on the CPU. dtype=auto on a CPU:
+bfloat16 only where a probe, run once per machine, measured it clearly faster."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from core.errors import ConfigError
 
-from core.device import Precision, peak_flops
+import core.device as device_module
+from core.device import Precision, peak_flops, resolve_dtype, resolve_precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -77,3 +83,81 @@ def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
     assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 1e11
     rates[BF16] = 4e11  # a CPU with AMX: bfloat16 is the faster one
     assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 4e11
+
+
+# ----- dtype=auto on a CPU: decided by a probe, measured once per machine ----------------------
+
+
+@pytest.fixture
+def probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[float]:
+    """The probe unpinned, its cache in tmp_path, and bf16_speedup stubbed: append the speedup
+    the stub should report; the list's length after a call is the number of probes run."""
+    monkeypatch.delenv(device_module.AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
+    answers: list[float] = []
+    calls: list[float] = []
+
+    def stub(*args: object, **kwargs: object) -> float:
+        calls.append(answers[len(calls)])
+        return calls[-1]
+
+    monkeypatch.setattr(device_module, "bf16_speedup", stub)
+    device_module.cpu_auto_dtype.cache_clear()
+    yield answers, calls
+    device_module.cpu_auto_dtype.cache_clear()
+
+
+def test_auto_picks_bfloat16_on_a_cpu_whose_bf16_matmuls_are_clearly_faster(probe):
+    answers, calls = probe
+    answers.append(4.2)
+    precision = resolve_precision(torch.device("cpu"), "auto")
+    assert precision.dtype == torch.bfloat16
+    assert "4.20x" in precision.why and "picked" in precision.why
+    assert device_module.fast_matmul_dtype(torch.device("cpu")) == torch.bfloat16
+    assert len(calls) == 1
+
+
+def test_auto_stays_float32_where_bf16_is_emulated(probe):
+    answers, _ = probe
+    answers.append(0.08)
+    precision = resolve_precision(torch.device("cpu"), "auto")
+    assert precision.dtype == torch.float32
+    assert "0.08x" in precision.why
+    assert device_module.fast_matmul_dtype(torch.device("cpu")) == torch.float32
+    # an explicit dtype is never second-guessed
+    assert resolve_precision(torch.device("cpu"), "bfloat16").dtype == torch.bfloat16
+
+
+def test_the_probe_runs_once_per_machine_and_is_then_read_from_the_cache(probe, tmp_path):
+    answers, calls = probe
+    answers += [4.2, 0.08]  # a second probe would flip the decision
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    device_module.cpu_auto_dtype.cache_clear()  # a new process
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert len(calls) == 1
+    cached = json.loads((tmp_path / "cpu_precision.json").read_text())
+    assert list(cached.values()) == [4.2]
+    assert torch.__version__ in next(iter(cached))  # keyed by machine and torch version
+
+
+def test_a_corrupt_cache_file_is_measured_again(probe, tmp_path):
+    answers, calls = probe
+    answers.append(0.5)
+    (tmp_path / "cpu_precision.json").write_text("{not json")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert len(calls) == 1
+
+
+def test_the_environment_can_pin_the_choice_and_a_bad_pin_is_one_line(probe, monkeypatch):
+    _, calls = probe
+    monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, "bfloat16")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    device_module.cpu_auto_dtype.cache_clear()
+    monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, "fp8")
+    with pytest.raises(ConfigError, match="CAUSALGPT_CPU_AUTO_DTYPE='fp8'"):
+        resolve_dtype("auto", torch.device("cpu"))
+    assert calls == []
+
+
+def test_the_real_probe_measures_a_positive_ratio():
+    assert device_module.bf16_speedup((64, 64, 64), repeats=1) > 0

@@ -1,4 +1,5 @@
-"""Generation: the KV cache changes the speed, never the tokens; sampling is seeded and filtered."""
+"""Generation: the KV cache changes the speed, never the tokens; the window each token sees is
+the documented one (half to a full block_size); sampling is seeded, filtered and exact."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from inference import SamplingParams, TokenContext, generate, next_token, stream_tokens
-from model import GPT
+from model import ATTENTION_IMPLS, GPT
 from tests.conftest import tiny_config
+from tests.model.conftest import ARCHITECTURES
 
 BLOCK = 16  # tiny_config's block_size
 
@@ -18,20 +20,47 @@ def model() -> GPT:
     return GPT(tiny_config()).eval()
 
 
-def reference_logits(model: GPT, seq: torch.Tensor) -> torch.Tensor:
-    """The definition the cached path must reproduce."""
-    return model(seq[:, -BLOCK:])[0][:, -1]
+def window_start(length: int, start: int, block: int = BLOCK) -> int:
+    """The documented window, written out independently of TokenContext: it grows from the
+    start until it would hold more than block tokens, then restarts at the last block // 2."""
+    return length - block // 2 if length - start > block else start
 
 
-def test_cached_logits_match_a_full_forward_at_every_step_including_past_block_size(model):
+def reference_logits(model: GPT, seq: torch.Tensor, start: int) -> torch.Tensor:
+    """The definition the cached path must reproduce: a fresh forward over the window alone."""
+    return model(seq[:, start:])[0][:, -1]
+
+
+def test_cached_logits_match_a_fresh_forward_over_the_window_at_every_step(model):
     torch.manual_seed(1)
-    seq = torch.randint(0, 101, (2, 3 * BLOCK))
+    seq = torch.randint(0, 101, (2, 4 * BLOCK))
     context = TokenContext(model, seq[:, :5], use_cache=True)
+    start = 0
     with torch.no_grad():
         for t in range(5, seq.size(1)):
-            expected = reference_logits(model, seq[:, :t])
-            torch.testing.assert_close(context.logits(), expected, atol=1e-5, rtol=0)
+            start = window_start(t, start)
+            assert BLOCK // 2 <= t - start <= BLOCK or t - start == t  # half a window to a full one
+            torch.testing.assert_close(
+                context.logits(), reference_logits(model, seq[:, :t], start), atol=1e-5, rtol=0
+            )
             context.append(seq[:, t])
+    assert start > 2 * BLOCK  # the window restarted several times
+
+
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_cached_decoding_equals_a_from_scratch_reference_across_refills(arch, impl):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**ARCHITECTURES[arch], attention=impl)).eval()
+    prompt = torch.tensor([[1, 2, 3], [7, 5, 3]])
+    out = generate(model, prompt, 3 * BLOCK, SamplingParams(temperature=0))
+    start = 0
+    with torch.no_grad():
+        for t in range(prompt.size(1), out.size(1)):
+            start = window_start(t, start)
+            expected = reference_logits(model, out[:, :t], start).argmax(dim=-1)
+            assert torch.equal(out[:, t], expected), f"token {t} differs"
+    assert start >= 2 * BLOCK // 2  # at least two refills happened
 
 
 def test_greedy_generation_with_the_cache_equals_generation_without_it(model):
@@ -44,22 +73,28 @@ def test_greedy_generation_with_the_cache_equals_generation_without_it(model):
     assert torch.equal(cached[:, :5], prompt)
 
 
-def test_greedy_generation_picks_the_argmax_of_the_reference_logits(model):
-    out = generate(model, torch.tensor([[3]]), 2 * BLOCK, SamplingParams(temperature=0))
-    with torch.no_grad():
-        for t in range(1, out.size(1)):
-            assert out[0, t] == reference_logits(model, out[:, :t]).argmax()
-
-
-def test_the_prompt_is_processed_once_then_one_token_per_step_until_the_window_slides(model):
+def test_the_prompt_is_processed_once_then_one_token_per_step_and_half_a_window_per_refill(
+    model,
+):
     seen_lengths = []
     model.transformer.wte.register_forward_hook(
         lambda m, args, out: seen_lengths.append(out.size(1))
     )
-    list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), BLOCK, SamplingParams(0)))
-    # 16 steps: the 5-token prompt, then 1 token while the sequence grows from 6 to 16 tokens,
-    # then the full window of 16 for sequences of 17 to 20 tokens
-    assert seen_lengths == [5] + [1] * (BLOCK - 5) + [BLOCK] * 4
+    list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 24, SamplingParams(0)))
+    # 24 steps: the 5-token prompt; 1 token while the sequence grows from 6 to 16 tokens; at 17
+    # the window would hold 17: it restarts from the last 8 tokens (one forward over 8); 1 token
+    # while it grows back from 9 to 16 (sequences of 18 to 25); at 26 the next restart, over 8
+    # again; then 1 token for 27 and 28.
+    half = BLOCK // 2
+    assert seen_lengths == [5] + [1] * (BLOCK - 5) + [half] + [1] * half + [half] + [1] * 2
+
+
+def test_the_head_runs_at_the_last_position_only(model):
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, SamplingParams(0)))
+    list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, use_cache=False))
+    assert set(seen) == {1}
 
 
 def test_a_prompt_longer_than_block_size_continues_its_last_block_size_tokens(model):
@@ -107,6 +142,33 @@ def test_zero_new_tokens_returns_the_prompt(model):
 def test_an_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="end-of-text"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def chi_square(draws: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(draws, minlength=probs.numel()).double()
+    expected = probs.double() * draws.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampling_draws_each_token_with_its_softmax_probability():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    probs = torch.softmax(logits, dim=-1)
+    n = 40_000
+    drawn = next_token(
+        logits.repeat(n, 1),
+        torch.zeros(n, 1, dtype=torch.long),
+        SamplingParams(),
+        torch.Generator().manual_seed(0),
+    )
+    # chi-square with 4 degrees of freedom: 18.47 is its 0.999 quantile
+    assert chi_square(drawn, probs) < 18.47
+    reference = torch.multinomial(
+        probs, n, replacement=True, generator=torch.Generator().manual_seed(0)
+    )
+    assert chi_square(reference, probs) < 18.47  # torch.multinomial passes the same test
+    # the control: a draw biased towards the likeliest token (temperature 0.9) fails it
+    biased = torch.multinomial(torch.softmax(logits / 0.9, -1), n, replacement=True)
+    assert chi_square(biased, probs) > 18.47
 
 
 def test_sampling_draws_only_tokens_that_survive_the_filters():
