@@ -78,7 +78,7 @@ for _ in $(seq 120); do grep -q '^step 10 ' stop.out && break; sleep 1; done
 kill -INT "$PID"
 set +e; wait "$PID"; CODE=$?; set -e
 [ "$CODE" -eq 130 ] || { cat stop.out; fail "Ctrl-C exited $CODE, expected 130"; }
-expect stop.out 'Resume with: python train.py hydra.run.dir=.*runs/stop train.resume=auto' "the resume hint"
+expect stop.out 'Resume with: python /\S*/train\.py hydra\.run\.dir=/\S*runs/stop train\.resume=auto' "the resume hint (absolute paths)"
 STOPPED=$(sed -nE 's/^stopped by signal 2 at step ([0-9]+);.*/\1/p' stop.out)
 [ -n "$STOPPED" ] || { cat stop.out; fail "no 'stopped by signal 2 at step N' line"; }
 # The printed command as it is (it restores the run's overrides), with a longer budget.
