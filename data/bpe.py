@@ -1,22 +1,25 @@
 """Byte-level BPE trained on a dataset's training split, saved as JSON, encoded by tiktoken.
 
 The vocabulary of ``bpe-<N>`` is the 256 single bytes, then ``N - 257`` merged tokens, then
-``<|endoftext|>`` as id ``N - 1``. Training (``train_bpe``) is Hugging Face ``tokenizers``' BPE
-trainer (Rust; ~?x faster than the pure-Python trainer it replaced, benchmarks/bench_bpe.py),
-as in GPT-2 and nanochat:
+``<|endoftext|>`` as id ``N - 1``. Training (``train_bpe``), as in GPT-2 and nanochat:
 
 1. Split each training document into chunks with ``PATTERN`` (GPT-4's split regex) and count
-   the distinct chunks. Merges never cross a chunk boundary, so a word, a number or a run of
-   punctuation is merged on its own.
-2. Every distinct chunk starts as its UTF-8 bytes (``tokenizers``' byte-level alphabet).
-3. Repeatedly merge the most frequent adjacent pair of tokens, counted over the chunks weighted
-   by their counts (ties: the pair that comes first in ``tokenizers``' ids, so the result depends
-   on nothing but the text).
+   the distinct chunks: Shakespeare's 1.1M chunks are ~30k distinct ones. Merges never cross a
+   chunk boundary, so a word, a number or a run of punctuation is merged on its own.
+2. Every distinct chunk starts as its UTF-8 bytes. Count each adjacent pair of tokens, weighted
+   by the chunk's count, and remember which chunks contain it.
+3. Repeatedly take the most frequent pair (ties: the smallest ``(left id, right id)``, so the
+   result depends on nothing but the text), give it the next id, and replace it left to right
+   in the chunks that contain it. Only those chunks' pair counts change: each one's old pairs
+   are subtracted and its new pairs added. A heap of ``(-count, left, right)`` with stale
+   entries skipped when popped finds the next pair without scanning all pairs.
+
+A pair whose bytes already exist as a token (the same bytes reached by another split) is never
+merged, so the N tokens are distinct byte strings (tiktoken ranks tokens by their bytes).
 
 Encoding is tiktoken's: ``mergeable_ranks`` maps each token's bytes to its id, which is its
 merge order, and tiktoken repeatedly merges the adjacent pair whose bytes have the lowest rank;
-that reproduces the trained merges (tests check it against ``tokenizers``' own encoding and a
-plain-Python application).
+that reproduces the trained merges (tests check it against a plain-Python application).
 
 The file is JSON (no pickle, nothing executable): the pattern, the special token and the merges
 in rank order, each as the hex of its left and right token bytes. It depends only on the
@@ -25,22 +28,23 @@ training text, so two trainings on the same text write identical bytes.
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 
+import regex
 import tiktoken
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from data.errors import DataError
 
 ENDOFTEXT = "<|endoftext|>"
 FORMAT = "causalgpt-bpe/1"  # the file layout
-# Bump when training would give other merges for the same text (it is in the prepared data's
-# fingerprint, so old caches are rebuilt). 2: tokenizers' trainer (other tie-breaks).
-TRAINER_VERSION = 2
+TRAINER_VERSION = 1  # bump when training would give other merges for the same text
 # GPT-4's (cl100k_base) split pattern, copied from tiktoken_ext/openai_public.py. Unlike GPT-2's,
 # it ends trailing spaces and punctuation with their line breaks ("  \n", the markdown line break
 # that ends most of Shakespeare's verse lines, and ".\n\n" are one chunk each, not two or three),
@@ -51,24 +55,7 @@ PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
-# The same pattern for Oniguruma, tokenizers' regex engine, which reads "{1,3}+" as a repeated
-# "{1,3}" (any number of digits) rather than a possessive one; with nothing after it in its
-# alternative, the plain "{1,3}" matches the same.
-ONIG_PATTERN = PATTERN.replace(r"\p{N}{1,3}+", r"\p{N}{1,3}")
 MIN_VOCAB = 257  # the 256 bytes and <|endoftext|>, no merges
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """``tokenizers``' byte-level alphabet (GPT-2's bytes_to_unicode): the character standing
-    for each byte; printable bytes stand for themselves, the others for chr(256 + i)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # "!"-"~", "¡"-"¬", "®"-"ÿ"
-    others = [b for b in range(256) if b not in printable]
-    chars = {chr(b): b for b in printable}
-    chars.update({chr(256 + i): b for i, b in enumerate(others)})
-    return chars
-
-
-BYTE_OF_CHAR = _byte_level_chars()
 
 
 @dataclass(frozen=True)
@@ -158,64 +145,108 @@ class BPE:
 class TrainStats:
     seconds: float  # total, splitting and counting included
     bytes: int  # UTF-8 bytes of training text
+    chunks: int  # pre-split chunks
+    unique_chunks: int
+    skipped_pairs: int  # pairs not merged because their bytes were already a token
 
 
-def train_hf(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """``tokenizers``' BPE trained on ``texts`` with our pre-tokenization (``PATTERN``, then
-    bytes): the 256 bytes and merged tokens, ``vocab_size - 1`` in all (``<|endoftext|>`` is
-    ours, added last)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(ONIG_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok
+def _merge(ids: list[int], left: int, right: int, new: int) -> list[int]:
+    """Replace each ``(left, right)`` in ``ids`` with ``new``, left to right."""
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == left and ids[i + 1] == right:
+            out.append(new)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
 
-def token_bytes_of(token: str) -> bytes:
-    """The bytes a ``tokenizers`` byte-level token stands for."""
-    return bytes(BYTE_OF_CHAR[c] for c in token)
+def count_chunks(texts: Iterable[str], pattern: str = PATTERN) -> tuple[Counter[str], int]:
+    """Distinct pre-split chunks of ``texts`` with their counts, and the UTF-8 bytes read."""
+    split = regex.compile(pattern).findall
+    counts: Counter[str] = Counter()
+    nbytes = 0
+    for text in texts:
+        counts.update(split(text))
+        nbytes += len(text.encode("utf-8"))
+    return counts, nbytes
 
 
-def from_hf(tok: Tokenizer, name: str) -> BPE:
-    """The trained ``tokenizers`` model as our merges, in its merge order. A merge whose bytes
-    are already a token (another split reached them first) adds no token: tiktoken ranks
-    tokens by their bytes, so the first one's rank stands."""
-    ids = {bytes([i]): i for i in range(256)}
-    merges = []
-    for left, right in json.loads(tok.to_str())["model"]["merges"]:
-        left_bytes, right_bytes = token_bytes_of(left), token_bytes_of(right)
-        if left_bytes + right_bytes not in ids:
-            ids[left_bytes + right_bytes] = len(ids)
-            merges.append((ids[left_bytes], ids[right_bytes]))
-    return BPE(name, PATTERN, tuple(merges))
-
-
-def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, pattern: str = PATTERN
+) -> tuple[BPE, TrainStats]:
     """Train ``bpe-<vocab_size>`` on ``texts`` (the training split's documents)."""
     if vocab_size < MIN_VOCAB:
         raise DataError(f"bpe-{vocab_size}: N must be at least {MIN_VOCAB}")
     start = time.perf_counter()
-    nbytes = 0
+    counts, nbytes = count_chunks(texts, pattern)
+    words = [list(chunk.encode("utf-8")) for chunk in counts]
+    freqs = list(counts.values())
 
-    def counted() -> Iterator[str]:
-        nonlocal nbytes
-        for text in texts:
-            nbytes += len(text.encode("utf-8"))
-            yield text
+    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
+    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> chunks with it
+    for i, word in enumerate(words):
+        for pair in pairwise(word):
+            pair_counts[pair] += freqs[i]
+            where[pair].add(i)
+    heap = [(-count, *pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
 
-    bpe = from_hf(train_hf(counted(), vocab_size), f"bpe-{vocab_size}")
-    if bpe.vocab_size < vocab_size:
-        raise DataError(
-            f"bpe-{vocab_size} needs {vocab_size - MIN_VOCAB} merges but the training split "
-            f"({nbytes:,} bytes) allows only {len(bpe.merges)}; use a smaller N or more text"
-        )
-    return bpe, TrainStats(seconds=time.perf_counter() - start, bytes=nbytes)
+    tokens = [bytes([i]) for i in range(256)]
+    known = set(tokens)
+    merges: list[tuple[int, int]] = []
+    banned: set[tuple[int, int]] = set()  # pairs whose bytes are already a token
+    n_merges = vocab_size - MIN_VOCAB
+    while len(merges) < n_merges:
+        if not heap:
+            raise DataError(
+                f"bpe-{vocab_size} needs {n_merges} merges but the training split "
+                f"({nbytes:,} bytes) allows only {len(merges)}; use a smaller N or more text"
+            )
+        neg_count, left, right = heapq.heappop(heap)
+        pair = (left, right)
+        if pair_counts.get(pair) != -neg_count:
+            continue  # stale: the count changed after this entry was pushed
+        merged = tokens[left] + tokens[right]
+        if merged in known:
+            banned.add(pair)
+            del pair_counts[pair]
+            continue
+        new = len(tokens)
+        tokens.append(merged)
+        known.add(merged)
+        merges.append(pair)
+
+        delta: Counter[tuple[int, int]] = Counter()
+        for i in where.pop(pair):
+            old = words[i]
+            word = _merge(old, left, right, new)
+            if len(word) == len(old):
+                continue  # the pair left this chunk in an earlier merge
+            words[i] = word
+            for p in pairwise(old):
+                delta[p] -= freqs[i]
+            for p in pairwise(word):
+                delta[p] += freqs[i]
+                where[p].add(i)
+        for p, d in delta.items():
+            if d == 0 or p in banned:
+                continue
+            count = pair_counts[p] + d
+            if count > 0:
+                pair_counts[p] = count
+                heapq.heappush(heap, (-count, *p))
+            else:
+                pair_counts.pop(p, None)
+
+    bpe = BPE(f"bpe-{vocab_size}", pattern, tuple(merges))
+    stats = TrainStats(
+        seconds=time.perf_counter() - start,
+        bytes=nbytes,
+        chunks=sum(freqs),
+        unique_chunks=len(freqs),
+        skipped_pairs=len(banned),
+    )
+    return bpe, stats

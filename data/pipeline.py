@@ -98,10 +98,15 @@ def _train_tokenizer(
         os.fsync(f.fileno())
     if verbose:
         print(
-            f"{cfg['name']}: trained {spec.name} on the train split ({stats.bytes / 1e6:.2f} MB) "
-            f"in {stats.seconds:.2f}s"
+            f"{cfg['name']}: trained {spec.name} on the train split ({stats.bytes / 1e6:.2f} MB, "
+            f"{stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in {stats.seconds:.2f}s"
         )
-    training = {"seconds": round(stats.seconds, 3), "bytes": stats.bytes}
+    training = {
+        "seconds": round(stats.seconds, 3),
+        "bytes": stats.bytes,
+        "chunks": stats.chunks,
+        "unique_chunks": stats.unique_chunks,
+    }
     return {"tokenizer_file": file_entry(path), "tokenizer_training": training}
 
 
