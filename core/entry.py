@@ -2,7 +2,7 @@
 
 Hydra reports a typo'd key, a malformed override or an unknown config group option in several
 lines and exits 1. `hydra_main` lets Hydra raise instead (HYDRA_FULL_ERROR) and prints each as
-one `error:` line, exit code 2, like every other user error (core/errors.py). Errors raised by
+one `error:` line, exit code 2, like every other user error (base/errors.py). Errors raised by
 the task itself pass through untouched: the task handles its users' mistakes with
 `user_errors()`, and anything else is a bug whose traceback must show.
 """

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from core.errors import ConfigError
 
 import core.device as device_module
+from base.errors import ConfigError
 from core.device import Precision, peak_flops, resolve_dtype, resolve_precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
