@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_attention import _reset_peak_rss, _rss_bytes  # noqa: E402
-from bench_train import GPT2_VOCAB, compose, machine, overrides, write_text  # noqa: E402
+from bench_train import (  # noqa: E402
+    GPT2_VOCAB,
+    compose,
+    machine,
+    measure,
+    overrides,
+    write_text,
+)
 
 # (preset, attention, dtype, optimizer)
 CELLS = [
@@ -75,18 +81,6 @@ def child(cell: dict, args: argparse.Namespace, data_dir: Path) -> dict:
     }
 
 
-def measure(cell: dict, argv: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", json.dumps(cell), *argv]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
-        return {"error": lines[-1][:80].replace("|", "/")}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["nano", "mini", "gpt2"])
@@ -127,7 +121,7 @@ def main() -> None:
             if preset not in args.presets:
                 continue
             cell = dict(preset=preset, impl=impl, dtype=dtype, optim=optim)
-            res = measure(cell, argv, args.timeout)
+            res = measure(cell, argv, args.timeout, script=__file__)
             row = [preset, "", impl, dtype, optim]
             if "error" in res:
                 print("| " + " | ".join([*row, res["error"], "", ""]) + " |", flush=True)

@@ -145,39 +145,29 @@ def _tflops(value: float | None) -> str:
     return "none" if value is None else f"{value / 1e12:.3g} TFLOP/s"
 
 
-def estimated_bytes(preset: str, args: argparse.Namespace, impl: str) -> float:
-    """A rough upper estimate of one cell's memory: float32 weights, gradients and two AdamW
-    moments (16 bytes per parameter) plus activations kept for backward (~40 floats per
-    token, layer and channel, the logits and their gradient, and manual's B*H*T^2 scores)."""
-    from model import load_preset
+def estimated_bytes(preset: str, args: argparse.Namespace, impl: str, dtype: str) -> int:
+    """One cell's estimated peak memory (trainer/memory.py, as train.py checks it)."""
+    import torch
 
-    c = load_preset(preset)
-    C, L, H = c["n_embd"], c["n_layer"], c["n_head"]
-    B, T, V = args.batch_size, args.block_size, args.vocab
-    params = 12 * L * C * C + V * C + T * C
-    activations = 40 * B * T * L * C + 3 * B * T * V
-    if impl == "manual":
-        activations += 3 * B * H * T * T * L
-    return 16 * params + 4 * activations
+    from model import GPTConfig, load_preset
+    from trainer.memory import estimate_memory
+
+    values = {**load_preset(preset), "block_size": args.block_size, "vocab_size": args.vocab}
+    config = GPTConfig.from_dict({**values, "attention": impl})
+    return estimate_memory(config, args.batch_size, "adamw", getattr(torch, dtype)).total
 
 
 def available_bytes(args: argparse.Namespace) -> float:
-    import torch
-
     from core.device import resolve_device
+    from trainer.memory import available_memory
 
-    device = resolve_device(args.device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return float("inf")
+    budget, _ = available_memory(resolve_device(args.device))
+    return float("inf") if budget is None else budget
 
 
-def measure(cell: dict, argv: list[str], timeout: float) -> dict:
-    """child() for `cell` in a fresh interpreter; {"error": why} when it fails."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(cell), *argv]
+def measure(cell: dict, argv: list[str], timeout: float, script: str = __file__) -> dict:
+    """`script`'s child() for `cell` in a fresh interpreter; {"error": why} when it fails."""
+    cmd = [sys.executable, script, "--child", json.dumps(cell), *argv]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -266,7 +256,7 @@ def run_all(presets: list[str], args: argparse.Namespace, data_dir: Path) -> Non
     cells = itertools.product(presets, args.impls, args.dtypes, args.compiles, args.optims)
     for preset, impl, dtype, compiled, optim in cells:
         row = [preset, "", impl, dtype, compiled, optim]
-        need = estimated_bytes(preset, args, impl)
+        need = estimated_bytes(preset, args, impl, dtype)
         if need > 0.8 * available:
             res = {"error": f"skipped: needs ~{need / 2**30:.1f} GiB"}
         else:
