@@ -58,6 +58,7 @@ from trainer.distributed import (
 )
 from trainer.evaluation import EvalResult, evaluate
 from trainer.optim import build_optimizer, lr_scale, set_lr
+from trainer.step_health import Verdict, step_verdict
 from trainer.tracking import Tracker
 
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -280,8 +281,9 @@ class Trainer:
     # ----- training ------------------------------------------------------------------------
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss over all ranks, gradient norm before
-        clipping), the same on every rank, so that all ranks take the same decisions."""
+        """One optimizer step; returns (this rank's loss, gradient norm before clipping: the
+        same on every rank). No collective and no host read but the step's health (one small
+        tensor): the loss is averaged over ranks only where it is logged."""
         cfg = self.cfg
         budget = cfg.train.max_seconds  # the schedule ends by the deadline too: see lr_scale
         time_fraction = self.state.elapsed / budget if budget else 0.0
@@ -300,17 +302,17 @@ class Trainer:
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-        mean_over_ranks(loss_sum)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.model, max_norm)
-        if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        verdict = self._verdict(loss_sum, grad_norm)
+        if verdict != "step":
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler:  # float16 overflow is routine: the scaler lowers its scale and skips
+            if self.scaler:  # it lowers its scale (and must be updated after unscale_)
                 self.scaler.update()
-                return loss_sum, grad_norm
-            self._non_finite(loss_sum, grad_norm)
+            if verdict == "diverged":
+                self._non_finite(loss_sum, grad_norm)
             return loss_sum, grad_norm
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -319,6 +321,16 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
+        """The step's verdict, the same on every rank. The gradient norm is the same everywhere
+        (gradients are reduced), so only when it is not finite do the ranks agree on whether any
+        rank's loss was: a collective on that rare step alone."""
+        health = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host read
+        loss_finite, grads_finite = health
+        if not grads_finite:
+            loss_finite = not all_reduce_max([not loss_finite], self.device)[0]
+        return step_verdict(loss_finite, grads_finite, scaled=self.scaler is not None)
 
     def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
@@ -378,9 +390,13 @@ class Trainer:
             self.parallel_model = self.step_model = self.model
             destroy()
 
-    def _stop_requested(self, stop: _StopSignals) -> tuple[int, bool]:
+    def _stop_requested(self, stop: _StopSignals, agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
-        signal or clock on any one of them stops every rank after the same step."""
+        signal or clock on any one of them stops every rank after the same step. Under torchrun
+        the ranks agree at logged steps only (`agree`), so that no other step waits on a
+        collective; a single process decides at every step."""
+        if self.dist.enabled and not agree:
+            return 0, False
         budget = self.cfg.train.max_seconds
         late = budget is not None and self.state.elapsed >= budget
         signum, late = all_reduce_max([stop.signum or 0, late], self.device)
@@ -393,18 +409,22 @@ class Trainer:
         loop_start = time.perf_counter()
         elapsed_at_start = state.elapsed
         window_start, window_steps = time.perf_counter(), 0
+        first_step = state.step
         signum, out_of_time = self._stop_requested(stop)
         while state.step < cfg.max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
             window_steps += 1
             state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-            signum, out_of_time = self._stop_requested(stop)
-            if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
+            log_step = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
+            signum, out_of_time = self._stop_requested(stop, agree=log_step)
+            if state.step == first_step + 1 and not log_step:  # compiling is not training speed
+                window_start, window_steps = time.perf_counter(), 0
+            if log_step:
                 now = time.perf_counter()
                 tok_s = window_steps * tokens_per_step / (now - window_start)
                 values = {
-                    "loss": loss.item(),
+                    "loss": mean_over_ranks(loss).item(),
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "grad_norm": grad_norm.item(),
                     "tok/s": tok_s,
