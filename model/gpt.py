@@ -32,6 +32,17 @@ from model.kv_cache import KVCache
 from model.norm import make_norm
 from model.rope import RotaryTables
 
+# Rows of logits per piece when the loss is computed without them (see GPT.forward): 4096 x
+# GPT-2's vocabulary in float32 is 0.8 GB, against 13 GB for a 64 x 1024 batch at once.
+LOSS_CHUNK = 4096
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, vocab), in float32, over targets (B, T) != -1."""
+    return F.cross_entropy(
+        logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+    )
+
 
 class MLP(nn.Module):
     """gelu and relu2: act(x W_fc) W_proj. swiglu: c_fc holds W_1 and W_3 side by side (one
@@ -127,31 +138,51 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
         targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
-        With a cache, idx holds only the new tokens and positions continue from the cache."""
-        return self.forward_embeddings(self.transformer.wte(idx), targets, cache)
+        With a cache, idx holds only the new tokens and positions continue from the cache.
+        return_logits=False (with targets): logits are None, so that the caller keeps no
+        (B, T, vocab) tensor alive through backward; without gradients the loss is then computed
+        LOSS_CHUNK rows at a time and the full logits never exist (evaluation)."""
+        return self.forward_embeddings(self.transformer.wte(idx), targets, cache, return_logits)
 
     def forward_embeddings(
         self,
         tok_emb: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`forward` from token embeddings (B, T, C): lets the causality tests differentiate the
         logits with respect to the inputs."""
         x, _ = self._trunk(tok_emb, cache, need_weights=False)
-        logits = self.lm_head(x)  # (B, T, vocab)
+        if targets is None or return_logits:
+            logits = self._head(x)  # (B, T, vocab)
+            loss = None if targets is None else _cross_entropy(logits, targets)
+            return logits, loss
+        if torch.is_grad_enabled():  # backward needs every row's softmax anyway
+            return None, _cross_entropy(self._head(x), targets)
+        x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (B*T, C), (B*T,)
+        nats = sum(
+            F.cross_entropy(
+                self._head(x[i : i + LOSS_CHUNK]).float(),
+                targets[i : i + LOSS_CHUNK],
+                ignore_index=-1,
+                reduction="sum",
+            )
+            for i in range(0, x.size(0), LOSS_CHUNK)
+        )
+        return None, nats / (targets != -1).sum()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of the final hidden states x (..., C)."""
+        logits = self.lm_head(x)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
-            )
-        return logits, loss
+        return logits
 
     @torch.no_grad()
     def attention_probs(self, idx: torch.Tensor) -> torch.Tensor:

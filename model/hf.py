@@ -41,6 +41,14 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
 
 
+def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w (V, C) with `rows` rows: cropped, or padded with zeros (padded tokens are never drawn
+    nor targets, so their rows only need to exist)."""
+    if rows <= w.size(0):
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])  # (rows, C)
+
+
 def load_hf_gpt2(
     source: str | Path | dict[str, torch.Tensor], n_head: int | None = None, **overrides
 ) -> GPT:
@@ -49,7 +57,9 @@ def load_hf_gpt2(
     source: a state dict, a .safetensors/.bin file, or a directory with config.json. The shape
     comes from the weights; n_head (which shapes cannot tell) from config.json or the argument.
     overrides: other GPTConfig fields, e.g. dropout=0.1 or attention="sdpa" for fine-tuning;
-    not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix.
+    not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix. vocab_size=50304
+    (the GPT-2 presets' padded vocabulary) adds zero rows to the token embedding (and an untied
+    head); a smaller one crops rows, e.g. the padding of a padded checkpoint.
     """
     for key, value in overrides.items():
         if key in GPT2_ARCHITECTURE and value != GPT2_ARCHITECTURE[key]:
@@ -68,7 +78,11 @@ def load_hf_gpt2(
     if n_head is None:
         raise ValueError("n_head is not in the weights: pass n_head= or a folder with config.json")
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    vocab_size, n_embd = sd["wte.weight"].shape
+    rows, n_embd = sd["wte.weight"].shape
+    vocab_size = overrides.pop("vocab_size", rows)
+    for key in ("wte.weight", "lm_head.weight"):
+        if key in sd:
+            sd[key] = _resize_rows(sd[key], vocab_size)
     n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
     config = GPTConfig(
         vocab_size=vocab_size,

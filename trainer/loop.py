@@ -298,7 +298,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.parallel_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    _, loss = self.step_model(x, y)
+                    _, loss = self.step_model(x, y, return_logits=False)  # see GPT.forward
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
@@ -491,7 +491,13 @@ class Trainer:
             idx = torch.tensor([prompt], device=self.device)
             with self.precision.autocast():
                 out = generate(
-                    self.model, idx, self.cfg.train.sample_tokens, params, generator, eot_token=eot
+                    self.model,
+                    idx,
+                    self.cfg.train.sample_tokens,
+                    params,
+                    generator,
+                    eot_token=eot,
+                    vocab_size=self.tokenizer.n_vocab,
                 )
             new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
             rows.append(
