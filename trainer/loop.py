@@ -44,7 +44,9 @@ from trainer.distributed import (
     DistInfo,
     all_reduce_max,
     barrier,
+    check_visible,
     clip_grad_norm,
+    compile_model,
     destroy,
     from_main,
     full_model,
@@ -54,6 +56,7 @@ from trainer.distributed import (
     main_first,
     mean_over_ranks,
     optimizer_state,
+    run_on_main,
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
@@ -146,8 +149,8 @@ class Trainer:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
 
-        with main_first():
-            self.data = prepare(cfg.data, verbose=self.dist.is_main)
+        self.data = run_on_main(lambda: prepare(cfg.data))  # rank 0 alone verifies every byte
+        check_visible(self.data)
         self.tokenizer = self.data.tokenizer()
         self.model = GPT(model_config_for(cfg.model, self.data)).to(self.device)
         self.block_size = self.model.config.block_size
@@ -155,7 +158,9 @@ class Trainer:
             resume_from = self._resume_checkpoint()
         if resume_from is not None:  # weights before sharding: FSDP shards what is loaded
             self.model.load_state_dict(resume_from.model.state_dict())
-        self.parallel_model = wrap_model(self.model, cfg.parallel.strategy, self.dist, self.device)
+        self.parallel_model = wrap_model(
+            self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype
+        )
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
@@ -172,7 +177,9 @@ class Trainer:
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         if resume_from is not None:
             self._resume(resume_from)
-        self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
+        self.step_model = (
+            compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
+        )
 
     # ----- checkpoints ---------------------------------------------------------------------
 
@@ -261,7 +268,7 @@ class Trainer:
                 trainer_state,
                 tokenizer_file=self.data.tokenizer_file,
             )
-        barrier()
+        barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
         return path
 
     # ----- evaluation ----------------------------------------------------------------------
