@@ -34,6 +34,7 @@ from core.checkpoint import (
 from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from core.errors import ConfigError
 from data import PreparedData, prepare
+from data.prefetch import PrefetchingSampler
 from data.sampler import BatchSampler
 from data.tokenizer import tokenizer_fingerprint
 from inference.generate import SamplingParams, generate
@@ -173,6 +174,8 @@ class Trainer:
             self.dist.rank,
             self.dist.world_size,
         )
+        if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
+            self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         if resume_from is not None:
@@ -393,6 +396,8 @@ class Trainer:
         finally:
             self.progress.close()
             self.tracker.finish(exit_code)
+            if isinstance(self.sampler, PrefetchingSampler):
+                self.sampler.close()
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.parallel_model = self.step_model = self.model
             destroy()
