@@ -169,6 +169,12 @@ class RunConfig:
         _choice("device", self.device, ("auto", "cpu", "cuda", "mps"))
         _choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _bool("compile", self.compile)
+        if self.compile and self.model.get("attention") == "flash" and self.model.get("dropout"):
+            raise ConfigError(
+                "compile=true with model.attention=flash and model.dropout > 0 breaks the compiled "
+                "graph at every tile (a random generator per tile); use model.attention=sdpa, "
+                "model.dropout=0 or compile=false"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
