@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -16,7 +17,8 @@ import torch
 from base.errors import ConfigError
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
-# Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
+# Keys are matched as whole words of torch.cuda.get_device_name() ("L4" is not the L40's), most
+# specific first.
 # float32: configure_backends runs float32 matmuls as TF32 on Ampere and later, so their figure
 # is the dense TF32 one (half of bf16's on these GPUs), not the far lower CUDA-core FP32 figure
 # (which would put MFU above 100%). V100 and T4 have no TF32: their FP32 figure.
@@ -28,6 +30,7 @@ GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
     "A10G": {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 35e12},
     "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 181e12},
+    "L40": {torch.bfloat16: 181e12, torch.float16: 181e12, torch.float32: 90.5e12},
     "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60.5e12},
     "RTX 4090": {torch.bfloat16: 165e12, torch.float16: 165e12, torch.float32: 82.6e12},
     "RTX 3090": {torch.bfloat16: 71e12, torch.float16: 71e12, torch.float32: 35.6e12},
@@ -190,7 +193,7 @@ def peak_flops(precision: Precision) -> tuple[float | None, str]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, table in GPU_PEAK_FLOPS.items():
-            if key in name and dtype in table:
+            if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", name) and dtype in table:
                 return table[dtype], f"{name} datasheet"
         return None, f"unknown GPU {name!r}: no MFU"
     if device.type == "cpu":

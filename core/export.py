@@ -78,6 +78,11 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
         hf_config, state = _gpt2_config(config), _gpt2_state(model)
     else:
         hf_config, state = _llama_config(config), _llama_state(model)
+    n_vocab = ckpt.tokenizer().n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
+    if config.vocab_size > n_vocab:  # the padding rows are never drawn nor trained: dropped
+        hf_config["vocab_size"] = n_vocab
+        embeddings = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
+        state = {k: v[:n_vocab] if k.endswith(embeddings) else v for k, v in state.items()}
     vocab, merges = gpt2_bpe_files()
     return {
         "config.json": hf_config,

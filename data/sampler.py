@@ -60,10 +60,15 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y): int64 CPU tensors (batch_size, block_size); y[:, t] == x[:, t + 1]."""
-        rng = np.random.default_rng([self.seed, self.step])
+        batch = self.batch_at(self.step)
+        self.step += 1
+        return batch
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch number `step`, without moving the position (for a prefetching reader)."""
+        rng = np.random.default_rng([self.seed, step])
         offsets = rng.choice(self.n_windows, size=self.world_size * self.batch_size, replace=False)
         mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        self.step += 1
         return _windows(self.tokens, mine, self.block_size)
 
     def state_dict(self) -> dict[str, int]:

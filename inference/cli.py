@@ -114,7 +114,10 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     if live:
         out.write(prompt)
         out.flush()
-    for step in stream_tokens(model, idx, max_new_tokens, params, generator, eot_token=eot):
+    steps = stream_tokens(
+        model, idx, max_new_tokens, params, generator, eot_token=eot, vocab_size=tokenizer.n_vocab
+    )
+    for step in steps:
         for text, token in zip(texts, step.tolist(), strict=True):
             piece = text.finish() if token == eot else text.push(token)
             if live:

@@ -86,7 +86,13 @@ class TokenContext:
     runs at the last position only.
     """
 
-    def __init__(self, model: GPT, idx: torch.Tensor, use_cache: bool = True):
+    def __init__(
+        self,
+        model: GPT,
+        idx: torch.Tensor,
+        use_cache: bool = True,
+        vocab_size: int | None = None,
+    ):
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
                 f"idx must be (batch, tokens) with at least one token, got {tuple(idx.shape)}; "
@@ -98,6 +104,7 @@ class TokenContext:
         self.seq = idx
         self.start = max(0, idx.size(1) - self.block_size)  # a long prompt: its last block_size
         self.cache = model.new_kv_cache(idx.size(0)) if use_cache else None
+        self.vocab_size = vocab_size  # the tokenizer's: rows past it are padding (see `logits`)
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
@@ -107,9 +114,18 @@ class TokenContext:
             if self.cache is not None:
                 self.cache.reset()
         if self.cache is None:
-            return self.model(self.seq[:, self.start :], last_only=True)[0][:, -1]
-        new = self.seq[:, self.start + self.cache.length :]  # the window's first tokens, then one
-        return self.model(new, cache=self.cache, last_only=True)[0][:, -1]
+            logits = self.model(self.seq[:, self.start :], last_only=True)[0][:, -1]
+        else:
+            new = self.seq[:, self.start + self.cache.length :]  # the window's first tokens, then 1
+            logits = self.model(new, cache=self.cache, last_only=True)[0][:, -1]
+        if self.vocab_size is not None and self.vocab_size < logits.size(-1):
+            # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
+            # the padding decodes to nothing, so it can never be drawn, greedy or sampled.
+            logits = logits.masked_fill(
+                torch.arange(logits.size(-1), device=logits.device) >= self.vocab_size,
+                float("-inf"),
+            )
+        return logits
 
     def append(self, token: torch.Tensor) -> None:
         """Extend every row by its token (B,)."""
@@ -125,18 +141,20 @@ def stream_tokens(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     eot_token: int | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), one step at a time, so callers can print text
     as it comes or stop early (stop strings) by leaving the loop.
 
     idx (B, T) is the prompt, one row per sample: the batch is generated together. A row that
     produced `eot_token` keeps producing it, and the stream ends once every row has. The model
-    should be in eval mode (dropout would make the samples noisier, not wrong).
+    should be in eval mode (dropout would make the samples noisier, not wrong). `vocab_size`:
+    the tokenizer's, when the model's vocabulary is padded past it (never drawn).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     params = params or SamplingParams()
-    context = TokenContext(model, idx, use_cache)
+    context = TokenContext(model, idx, use_cache, vocab_size)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         token = next_token(context.logits(), context.seq, params, generator)
@@ -157,7 +175,10 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     eot_token: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """`stream_tokens` collected: the prompt followed by the new tokens, (B, T + n)."""
-    steps = stream_tokens(model, idx, max_new_tokens, params, generator, use_cache, eot_token)
+    steps = stream_tokens(
+        model, idx, max_new_tokens, params, generator, use_cache, eot_token, vocab_size
+    )
     return torch.cat([idx, *(token[:, None] for token in steps)], dim=1)

@@ -17,7 +17,10 @@ seed (drawn once per call from torch's global RNG) and the tile's position, so t
 pass sees exactly the forward's masks without storing them.
 
 Tiles are computed in float32 (float64 stays float64) and the results returned in the input
-dtype, so bfloat16 inputs lose precision only in the final rounding.
+dtype, so bfloat16 inputs lose precision only in the final rounding. Autocast is switched off
+inside: under it the tile matmuls would run in bfloat16 and round the scores before the softmax
+(FlashAttention kernels likewise keep S, the row max and the log-sum-exp in float32), and the
+backward's float32 recomputation of P would then disagree with the forward's LSE.
 """
 
 from __future__ import annotations
@@ -71,7 +74,17 @@ class FlashCausalAttention(torch.autograd.Function):
     position q_offset + i, key j at j. Saves O and LSE (B, nh, Tq) for backward, never S."""
 
     @staticmethod
-    def forward(
+    def forward(ctx: Any, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # float32 tiles: see the docstring
+            return FlashCausalAttention._forward(ctx, q, *args)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return FlashCausalAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -116,7 +129,7 @@ class FlashCausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         q_offset, block_q, block_k, dropout_p, seed = ctx.args
         Tq, hs = q.shape[2:]

@@ -35,6 +35,17 @@ from model.kv_cache import KVCache
 from model.norm import make_norm
 from model.rope import RotaryTables
 
+# Rows of logits per piece when the loss is computed without them (see GPT.forward): 4096 x
+# GPT-2's vocabulary in float32 is 0.8 GB, against 13 GB for a 64 x 1024 batch at once.
+LOSS_CHUNK = 4096
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, vocab), in float32, over targets (B, T) != -1."""
+    return F.cross_entropy(
+        logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+    )
+
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
@@ -142,14 +153,18 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         embeddings: torch.Tensor | None = None,
         last_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
         targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
         With a cache, idx holds only the new tokens and positions continue from the cache.
         `embeddings` (B, T, C) replaces wte[idx] (soft prompts; gradients with respect to the
         inputs, as the causality checks take them). last_only: logits of the last position only,
         (B, 1, vocab): all that generation needs, and the head over a 50k vocabulary is the
-        costliest matmul of a small model."""
+        costliest matmul of a small model. return_logits=False (with targets): logits are None,
+        so that the caller keeps no (B, T, vocab) tensor alive through backward; without
+        gradients the loss is then computed LOSS_CHUNK rows at a time and the full logits never
+        exist (evaluation)."""
         if last_only and targets is not None:
             raise ValueError("last_only computes no loss: the loss needs every position")
         tok_emb = self.transformer.wte(idx) if embeddings is None else embeddings  # (B, T, C)
@@ -162,16 +177,30 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:]  # (B, 1, C)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, vocab)
+        if targets is None or return_logits:
+            logits = self._head(x)  # (B, T, vocab)
+            return logits, None if targets is None else _cross_entropy(logits, targets)
+        if torch.is_grad_enabled():  # backward needs every row's softmax anyway
+            return None, _cross_entropy(self._head(x), targets)
+        x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (B*T, C), (B*T,)
+        nats = sum(
+            F.cross_entropy(
+                self._head(x[i : i + LOSS_CHUNK]).float(),
+                targets[i : i + LOSS_CHUNK],
+                ignore_index=-1,
+                reduction="sum",
+            )
+            for i in range(0, x.size(0), LOSS_CHUNK)
+        )
+        return None, nats / (targets != -1).sum()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of the final hidden states x (..., C)."""
+        logits = self.lm_head(x)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
-            )
-        return logits, loss
+        return logits
 
     def embed(
         self, tok_emb: torch.Tensor, start: int = 0

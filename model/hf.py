@@ -94,6 +94,22 @@ def _weights_file(path: Path) -> Path:
     raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
 
 
+def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w (V, C) with `rows` rows: cropped, or padded with zeros (padded tokens are never drawn
+    nor targets, so their rows only need to exist)."""
+    if rows <= w.size(0):
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])  # (rows, C)
+
+
+def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w (V, C) with `rows` rows: cropped, or padded with zeros (padded tokens are never drawn
+    nor targets, so their rows only need to exist)."""
+    if rows <= w.size(0):
+        return w[:rows]
+    return torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])  # (rows, C)
+
+
 def load_hf_gpt2(
     source: str | Path | dict[str, torch.Tensor], n_head: int | None = None, **overrides
 ) -> GPT:
@@ -104,7 +120,9 @@ def load_hf_gpt2(
     cannot tell) from config.json or the argument. Every size config.json claims is checked
     against the weights before the model is built.
     overrides: other GPTConfig fields, e.g. dropout=0.1 or attention="sdpa" for fine-tuning;
-    not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix.
+    not the architecture options (GPT2_ARCHITECTURE), which GPT-2's weights fix. vocab_size=50304
+    (the GPT-2 presets' padded vocabulary) adds zero rows to the token embedding (and an untied
+    head); a smaller one crops rows, e.g. the padding of a padded checkpoint.
     """
     for key, value in overrides.items():
         if key in GPT2_ARCHITECTURE and value != GPT2_ARCHITECTURE[key]:
@@ -112,6 +130,7 @@ def load_hf_gpt2(
                 f"model.{key}={value!r} is not GPT-2's architecture: GPT-2 weights need "
                 f"model.{key}={GPT2_ARCHITECTURE[key]!r}"
             )
+    vocab_size = overrides.pop("vocab_size", None)  # the rows wanted: padded or cropped to it
     sd, claims, where = None, {}, "the weights"
     if isinstance(source, dict):
         sd = source
@@ -135,6 +154,11 @@ def load_hf_gpt2(
     if sd is None:
         sd = _read_state_dict(file)
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    if vocab_size is not None and vocab_size != config.vocab_size:  # padded (or cropped) rows
+        for key in ("wte.weight", "lm_head.weight"):
+            if key in sd:
+                sd[key] = _resize_rows(sd[key], vocab_size)
+        config = dataclasses.replace(config, vocab_size=vocab_size)
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
         config = dataclasses.replace(config, tie_embeddings=False)
     model = GPT(config)

@@ -181,6 +181,12 @@ class RunConfig:
         _one_of("device", self.device, ("auto", "cpu", "cuda", "mps"))
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         boolean("compile", self.compile)
+        if self.compile and self.model.get("attention") == "flash" and self.model.get("dropout"):
+            raise ConfigError(
+                "compile=true with model.attention=flash and model.dropout > 0 breaks the compiled "
+                "graph at every tile (a random generator per tile); use model.attention=sdpa, "
+                "model.dropout=0 or compile=false"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:

@@ -12,8 +12,10 @@ state are gathered to rank 0 in full before writing, and scattered back to shard
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -27,17 +29,30 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from base.errors import ConfigError
+from data import DataError, PreparedData
 from model import GPT
 
 T = TypeVar("T")
 
 FULL_STATE = StateDictOptions(full_state_dict=True)
 FULL_STATE_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# How long ranks wait for work rank 0 does alone (preparing or verifying a dataset, writing a
+# checkpoint: hours for 10B tokens, minutes for gpt2-xl's 18.7 GB on network storage), where
+# parallel.timeout_s (meant for a peer that died or hangs in a collective) would end the job.
+# A rank that dies still ends the job at once: torchrun stops the others.
+SLOW_WAIT_S = 24 * 3600
+# DDP's switch for its per-forward buffer broadcast: renamed in torch 2.13 (the old name warns).
+NO_BUFFER_BROADCAST = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+_slow_group: dist.ProcessGroup | None = None  # gloo, SLOW_WAIT_S: see `barrier`
 
 
 @dataclass(frozen=True)
@@ -82,18 +97,24 @@ def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> 
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    global _slow_group
+    _slow_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=SLOW_WAIT_S))
     return device
 
 
 def destroy() -> None:
     """Leave the process group (a clean exit; torchrun warns about a group left open)."""
+    global _slow_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _slow_group = None
 
 
-def barrier() -> None:
+def barrier(slow: bool = False) -> None:
+    """Wait for every rank; `slow`: for rank 0's long solo work, up to SLOW_WAIT_S (a CPU
+    barrier on a gloo group of its own, whatever the main backend)."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_slow_group if slow else None)
 
 
 @contextlib.contextmanager
@@ -102,10 +123,10 @@ def main_first() -> Iterator[None]:
     wasteful to run concurrently (preparing data) or must not race (repairing a checkpoint)."""
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     if not is_main:
-        barrier()
+        barrier(slow=True)
     yield
     if is_main:
-        barrier()
+        barrier(slow=True)
 
 
 def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
@@ -136,6 +157,35 @@ def from_main(value: T) -> T:
     return box[0]
 
 
+def run_on_main(fn: Callable[[], T]) -> T:
+    """fn() run by rank 0 alone, its result on every rank: for work whose answer is the same
+    everywhere and costly to repeat (verifying every byte of a token file on every rank). The
+    others wait as long as rank 0 needs (SLOW_WAIT_S)."""
+    if not dist.is_initialized():
+        return fn()
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=_slow_group)
+    return box[0]
+
+
+def check_visible(data: PreparedData) -> None:
+    """Rank 0 verified the token files (`run_on_main`); the others only check that they see the
+    same preparation (its meta.json), which needs the data cache on a filesystem every node
+    shares, as the run directory does."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return
+    meta_file = data.dir / "meta.json"
+    try:
+        same = json.loads(meta_file.read_text()) == data.meta
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise DataError(
+            f"rank {dist.get_rank()} does not see the prepared data rank 0 verified "
+            f"({meta_file}); put the data cache (CAUSALGPT_CACHE) on a filesystem all nodes share"
+        )
+
+
 def in_lockstep(items: Iterable[T], filler: T, device: torch.device) -> Iterator[tuple[T, bool]]:
     """(item, True) for each of this rank's items, then (filler, False) until every rank has
     run out: the same number of iterations everywhere, for loops whose body is a collective
@@ -156,22 +206,49 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def wrap_model(model: GPT, strategy: str, info: DistInfo, device: torch.device) -> nn.Module:
+def wrap_model(
+    model: GPT,
+    strategy: str,
+    info: DistInfo,
+    device: torch.device,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """The module that training runs forward and backward through.
 
     ddp: a DistributedDataParallel wrapper (`model` stays the plain replica, for evaluation and
-    checkpoints). fsdp: FSDP2 shards each block, then the rest, in place: `model` itself becomes
-    the sharded module, its parameters DTensors; build the optimizer after this."""
+    checkpoints). The model has no buffers that training changes (the causal masks are
+    constants), so they are not broadcast before every forward; gradients live in DDP's
+    communication buckets (no copy in and out). fsdp: FSDP2 shards each block, then the rest,
+    in place: `model` itself becomes the sharded module, its parameters DTensors; build the
+    optimizer after this. With a bfloat16/float16 `compute_dtype` the parameters are gathered in
+    it (half the all-gather traffic) and gradients reduced in float32 (torchtitan's default)."""
     if not info.enabled:
         return model
     if strategy == "ddp":
         return DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            **NO_BUFFER_BROADCAST,
         )
+    mp_policy = MixedPrecisionPolicy()  # float32: no casts
+    if compute_dtype != torch.float32:
+        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
     return model
+
+
+def compile_model(model: GPT, parallel_model: nn.Module) -> nn.Module:
+    """What training steps through with compile=true. FSDP: each block compiled in place
+    (torchtitan's way: the all-gathers between blocks stay outside the graphs, which FSDP2
+    hooks drive); otherwise the whole (DDP-wrapped) model, as nanoGPT does."""
+    if isinstance(model, FSDPModule):
+        for block in model.transformer.h:
+            block.compile()
+        return model
+    return torch.compile(parallel_model)
 
 
 @contextlib.contextmanager

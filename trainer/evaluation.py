@@ -94,7 +94,7 @@ def evaluate(
         for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
             x, y = x.to(precision.device), y.to(precision.device)
             with precision.autocast():
-                _, loss = model(x, y)
+                _, loss = model(x, y, return_logits=False)  # no (B, T, vocab) logits at once
             if not scores:
                 continue
             scored = int((y != -1).sum())

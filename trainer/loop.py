@@ -39,6 +39,7 @@ from core.checkpoint import (
 )
 from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from data import PreparedData, prepare_data
+from data.prefetch import PrefetchingSampler
 from data.sampler import BatchSampler
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
@@ -48,7 +49,9 @@ from trainer.distributed import (
     DistInfo,
     all_reduce_max,
     barrier,
+    check_visible,
     clip_grad_norm,
+    compile_model,
     destroy,
     from_main,
     full_model,
@@ -58,6 +61,7 @@ from trainer.distributed import (
     main_first,
     mean_over_ranks,
     optimizer_state,
+    run_on_main,
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
@@ -66,6 +70,7 @@ from trainer.init_from import pretrained_model
 from trainer.memory import check_memory
 from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
+from trainer.step_health import Verdict, step_verdict
 from trainer.tracking import Tracker
 
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -173,8 +178,8 @@ class Trainer:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
 
-        with main_first():
-            self.data = prepare_data(cfg.data, verbose=self.dist.is_main)
+        self.data = run_on_main(lambda: prepare_data(cfg.data))  # rank 0 alone verifies every byte
+        check_visible(self.data)
         self.tokenizer = self.data.tokenizer()
         init_from = cfg.train.init_from  # pretrained weights, else a random initialization
         if init_from:  # the source fixes the architecture; its weights are checked causal
@@ -194,7 +199,9 @@ class Trainer:
             resume_from = self._resume_checkpoint()
         if resume_from is not None:  # weights before sharding: FSDP shards what is loaded
             self.model.load_state_dict(resume_from.model.state_dict())
-        self.parallel_model = wrap_model(self.model, cfg.parallel.strategy, self.dist, self.device)
+        self.parallel_model = wrap_model(
+            self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype
+        )
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
@@ -207,13 +214,17 @@ class Trainer:
             self.dist.rank,
             self.dist.world_size,
         )
+        if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
+            self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
         self.state = TrainState()
         self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
         self.resumed_from = None if resume_from is None else resume_from.path
         self.disk_reported = False  # the first full checkpoint's size is printed once
         if resume_from is not None:
             self._resume(resume_from)
-        self.step_model = torch.compile(self.parallel_model) if cfg.compile else self.parallel_model
+        self.step_model = (
+            compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
+        )
 
         # What throughput and MFU are measured against: tokens/s are counted over all ranks.
         world, train = self.dist.world_size, cfg.train
@@ -318,7 +329,7 @@ class Trainer:
             )
             if with_trainer_state and not self.disk_reported:
                 self._report_disk(path)
-        barrier()
+        barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
         return path
 
     def save_periodic(self) -> None:
@@ -363,8 +374,9 @@ class Trainer:
     # ----- training ------------------------------------------------------------------------
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss over all ranks, gradient norm before
-        clipping), the same on every rank, so that all ranks take the same decisions."""
+        """One optimizer step; returns (this rank's loss, gradient norm before clipping: the
+        same on every rank). No collective and no host read but the step's health (one small
+        tensor): the loss is averaged over ranks only where it is logged."""
         cfg = self.cfg
         budget = cfg.train.max_seconds  # the schedule ends by the deadline too: see lr_scale
         time_fraction = self.state.elapsed / budget if budget else 0.0
@@ -379,21 +391,21 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.parallel_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    loss = self.step_model(x, y)[1]  # the logits are freed before backward
+                    _, loss = self.step_model(x, y, return_logits=False)  # see GPT.forward
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-        mean_over_ranks(loss_sum)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.model, max_norm)
-        if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        verdict = self._verdict(loss_sum, grad_norm)
+        if verdict != "step":
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler:  # float16 overflow is routine: the scaler lowers its scale and skips
+            if self.scaler:  # it lowers its scale (and must be updated after unscale_)
                 self.scaler.update()
-                return loss_sum, grad_norm
-            self._non_finite(loss_sum, grad_norm)
+            if verdict == "diverged":
+                self._non_finite(loss_sum, grad_norm)
             return loss_sum, grad_norm
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -402,6 +414,16 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
+        """The step's verdict, the same on every rank. The gradient norm is the same everywhere
+        (gradients are reduced), so only when it is not finite do the ranks agree on whether any
+        rank's loss was: a collective on that rare step alone."""
+        health = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host read
+        loss_finite, grads_finite = health
+        if not grads_finite:
+            loss_finite = not all_reduce_max([not loss_finite], self.device)[0]
+        return step_verdict(loss_finite, grads_finite, scaled=self.scaler is not None)
 
     def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
@@ -430,6 +452,8 @@ class Trainer:
             self.progress.close()
             self.metrics.close()
             self.tracker.finish(exit_code)
+            if isinstance(self.sampler, PrefetchingSampler):
+                self.sampler.close()
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.parallel_model = self.step_model = self.model
             destroy()
@@ -440,15 +464,17 @@ class Trainer:
         cfg, state = self.cfg.train, self.state
         loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
         throughput = _Throughput(self.tokens_per_step)
+        first_step = state.step
         signum, out_of_time = self._stop_requested(stop)
         while state.step < cfg.max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
             throughput.steps += 1
             state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-            signum, out_of_time = self._stop_requested(stop)
-
             logged = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
+            signum, out_of_time = self._stop_requested(stop, agree=logged)
+            if state.step == first_step + 1 and not logged:  # compiling is not training speed
+                throughput.restart()
             if logged:
                 self._log(loss, grad_norm, throughput.tokens_per_s())
             if cfg.eval_interval and state.step % cfg.eval_interval == 0:
@@ -476,9 +502,13 @@ class Trainer:
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
 
-    def _stop_requested(self, stop: _StopSignals) -> tuple[int, bool]:
+    def _stop_requested(self, stop: _StopSignals, agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
-        signal or clock on any one of them stops every rank after the same step."""
+        signal or clock on any one of them stops every rank after the same step. Under torchrun
+        the ranks agree at logged steps only (`agree`), so that no other step waits on a
+        collective; a single process decides at every step."""
+        if self.dist.enabled and not agree:
+            return 0, False
         budget = self.cfg.train.max_seconds
         late = budget is not None and self.state.elapsed >= budget
         signum, late = all_reduce_max([stop.signum or 0, late], self.device)
@@ -486,7 +516,7 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
         values = {
-            "loss": loss.item(),
+            "loss": mean_over_ranks(loss).item(),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tok/s": tok_s,
@@ -555,7 +585,13 @@ class Trainer:
             idx = torch.tensor([prompt], device=self.device)
             with eval_mode(self.model), self.precision.autocast():
                 out = generate(
-                    self.model, idx, self.cfg.train.sample_tokens, params, generator, eot_token=eot
+                    self.model,
+                    idx,
+                    self.cfg.train.sample_tokens,
+                    params,
+                    generator,
+                    eot_token=eot,
+                    vocab_size=self.tokenizer.n_vocab,
                 )
             new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
             rows.append(

@@ -31,7 +31,8 @@ AdamW, in this same optimizer, so the training loop, the gradient scaler and che
 single torch.optim.Optimizer whose state_dict resumes both parts exactly.
 
 Distributed. Under DDP the gradients are already all-reduced when `step` runs, so every rank
-computes the same update. Under FSDP each rank holds a shard of each matrix, and the
+would compute the same update: the Newton-Schulz work is dealt round-robin over the ranks and
+each result broadcast (see `_muon_step`). Under FSDP each rank holds a shard of each matrix, and the
 orthogonalization needs the whole matrix: the trainer refuses muon with parallel.strategy=fsdp.
 """
 
@@ -42,11 +43,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from core.device import fast_matmul_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def _ns_dtype(g: torch.Tensor) -> torch.dtype:
+    """bfloat16 where its matmuls are fast (CUDA; a CPU whose dtype=auto probe picked it)."""
+    return fast_matmul_dtype(g.device)
 
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -59,7 +66,7 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
     if g.dim() != 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(g.shape)}")
     a, b, c = NS_COEFFICIENTS
-    x = g.to(fast_matmul_dtype(g.device))
+    x = g.to(_ns_dtype(g))
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.mT
@@ -106,10 +113,16 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
+        """Under DDP every rank holds the same gradients, so the Newton-Schulz work is dealt
+        round-robin (matrix i to rank i mod world_size) and each result broadcast from its
+        owner, as modded-nanogpt does: each rank orthogonalizes 1/world_size of the matrices,
+        and every rank still applies the same update."""
         lr, beta = group["lr"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        sharded = dist.is_initialized() and dist.get_world_size() > 1
+        rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+        updates, pending = [], []
+        for i, p in enumerate(params):
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
@@ -117,28 +130,47 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - beta)  # buf = beta * buf + (1 - beta) * grad
             # Nesterov: look ahead along the momentum (grad is not modified in place).
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            update = zeropower_via_newtonschulz5(update, group["ns_steps"])
+            if i % world == rank:
+                update = zeropower_via_newtonschulz5(update, group["ns_steps"]).contiguous()
+            else:  # filled by its owner's broadcast
+                update = torch.empty_like(update, dtype=_ns_dtype(update))
+            if sharded:
+                pending.append(dist.broadcast(update, src=i % world, async_op=True))
+            updates.append(update)
+        for work in pending:
+            work.wait()
+        for p, update in zip(params, updates, strict=True):
             scale = math.sqrt(max(1.0, p.size(0) / p.size(1)))
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update.to(p.dtype), alpha=-lr * scale)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.AdamW's arithmetic with one multi-tensor (foreach) kernel per operation
+        over the group, not a Python loop of kernels per parameter; parameters are bucketed by
+        their step count, which only differs if some missed a gradient."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        buckets: dict[int, list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: no sync
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            step = state["step"].item()
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(p.grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            buckets.setdefault(int(state["step"].item()), []).append(p)
+        for step, params in buckets.items():
+            grads = [p.grad for p in params]
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
-            denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, math.sqrt(bias_correction2))
+            torch._foreach_add_(denom, eps)
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias_correction1)

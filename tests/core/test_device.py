@@ -36,6 +36,7 @@ def gpu_peak(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype):
         ("NVIDIA A10G", BF16, 70e12),
         ("NVIDIA L40S", BF16, 362e12),  # not the L4's, though "L4" matches too
         ("NVIDIA L4", BF16, 121e12),
+        ("NVIDIA L40", BF16, 181e12),  # not the L4's, though "L4" is its prefix
         ("NVIDIA GeForce RTX 4090", BF16, 165e12),
         ("NVIDIA GeForce RTX 3090", FP16, 71e12),
         ("Tesla V100-SXM2-16GB", FP16, 125e12),

@@ -57,6 +57,23 @@ def test_transformers_computes_our_logits(tmp_path, options, architecture):
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"}]
+)
+def test_a_padded_vocabulary_exports_as_the_tokenizers(tmp_path, options):
+    """The GPT-2 presets pad 50257 rows to 50304; the export has the tokenizer's 50257."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=50304, **options)).eval()
+    path = save_checkpoint(tmp_path / "ckpt", model, RUN, {"step": 1, "tokenizer": "gpt2"})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export(tmp_path, path)).eval()
+    assert theirs.config.vocab_size == 50257
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            theirs(idx).logits, model(idx)[0][..., :50257], atol=1e-4, rtol=0
+        )
+
+
 def test_the_tokenizer_gives_tiktokens_ids(tmp_path):
     out = export(tmp_path, checkpoint(tmp_path)[0])
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)

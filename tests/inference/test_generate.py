@@ -220,3 +220,31 @@ def test_invalid_sampling_params_are_refused_naming_the_field(field, value):
 def test_boundary_sampling_params_are_accepted():
     SamplingParams(temperature=0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=0.5)
     SamplingParams(min_p=1.0)
+
+
+def test_padded_vocabulary_rows_are_never_drawn_greedy_or_sampled():
+    """A model whose vocabulary is padded past the tokenizer's 40 tokens, its padded rows made
+    the most likely: with vocab_size=40 none is ever drawn; without it (the control) they are."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=64)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[40:] = 10 * model.lm_head.weight[40:].sign()
+    idx = torch.zeros(4, 1, dtype=torch.long)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
+        gen = torch.Generator().manual_seed(0)
+        out = generate(model, idx, 20, params, gen, vocab_size=40)
+        assert out[:, 1:].max() < 40
+        gen = torch.Generator().manual_seed(0)
+        assert generate(model, idx, 20, params, gen).max() >= 40  # the control
+
+
+def test_padded_rows_are_never_trained_toward():
+    """Targets are the tokenizer's ids, so the loss gradient on every padded logit is its
+    probability (> 0): training only lowers them; a real target's is negative."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=64))
+    idx = torch.randint(0, 40, (2, 8))
+    logits, loss = model(idx, torch.randint(0, 40, (2, 8)))
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert (grad[..., 40:] > 0).all()
+    assert (grad[..., :40] < 0).any()

@@ -166,3 +166,23 @@ def test_overrides_that_repeat_the_weights_shape_load(hf_model):
 def test_overrides_that_contradict_the_weights_are_refused_by_name(hf_model, key, value):
     with pytest.raises(ValueError, match=rf"model\.{key}={value!r} does not match the weights"):
         load_hf_gpt2(hf_model.state_dict(), n_head=4, **{key: value})
+
+
+def test_a_padded_vocabulary_adds_zero_rows_and_keeps_the_logits_and_crops_back(hf_model):
+    idx = torch.randint(0, 101, (2, 32))
+    with torch.no_grad():
+        expected = hf_model(idx).logits  # (2, 32, 101)
+    padded = load_hf_gpt2(hf_model.state_dict(), n_head=4, vocab_size=128).eval()
+    assert padded.config.vocab_size == 128 and padded.config.tie_embeddings
+    assert padded.transformer.wte.weight[101:].abs().sum() == 0
+    with torch.no_grad():
+        got, _ = padded(idx)
+    torch.testing.assert_close(got[..., :101], expected, atol=1e-4, rtol=0)
+    # A padded state dict (e.g. a checkpoint of a padded run) crops back to the real rows.
+    state = dict(hf_model.state_dict())
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        state[key] = torch.cat([state[key], torch.randn(27, 48)])  # (128, 48)
+    cropped = load_hf_gpt2(state, n_head=4, vocab_size=101).eval()
+    assert cropped.transformer.wte.weight.shape == (101, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(cropped(idx)[0], expected, atol=1e-4, rtol=0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT
+from model import GPT, gpt
 from model.gpt import MLP
 from model.norm import RMSNorm
 from tests.conftest import tiny_config
@@ -134,3 +134,23 @@ def test_zero_init_proj_makes_every_block_the_identity(options):
     torch.manual_seed(0)
     default = GPT(tiny_config(**options))
     assert all(p.abs().sum() > 0 for n, p in default.named_parameters() if "c_proj.weight" in n)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_loss_without_logits_is_the_loss_with_them(monkeypatch, softcap):
+    """return_logits=False returns no logits; without gradients the loss is computed a few rows
+    at a time (here 5 of 2 x 16, the last piece partial) and equals the full computation, with
+    ignored targets; with gradients it is the same computation as with logits."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(logit_softcap=softcap))
+    idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
+    targets[0, :7] = -1
+    logits, expected = model(idx, targets)
+    assert logits.shape == (2, 16, 101)
+    monkeypatch.setattr(gpt, "LOSS_CHUNK", 5)
+    with torch.no_grad():
+        none, loss = model(idx, targets, return_logits=False)
+    assert none is None
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    none, loss = model(idx, targets, return_logits=False)
+    assert none is None and torch.equal(loss, expected) and loss.requires_grad

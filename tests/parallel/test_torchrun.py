@@ -168,3 +168,19 @@ def test_fsdp_resumes_trains_like_ddp_and_saves_a_checkpoint_one_process_loads(
         for key in ("exp_avg", "exp_avg_sq"):  # ~1e-4 of the largest entry apart, seen
             scale = state[key].abs().max().item()
             torch.testing.assert_close(ours["state"][i][key], state[key], rtol=0, atol=1e-3 * scale)
+
+
+def test_only_logged_steps_run_collectives_and_each_step_reads_the_host_once(tmp_path, corpus):
+    """DDP on gloo, logging every 3rd step: steps 1, 2, 4 and 5 run no Python-level collective
+    (the gradient all-reduce is DDP's own) and read one tensor on the host (the step's health,
+    for train.on_nan), never a tensor's truth value; logged step 3 agrees on stopping and
+    averages the loss over ranks (the control: the counting sees collectives)."""
+    counts_file = tmp_path / "syncs.json"
+    no_eval = ["train.max_steps=6", "train.log_interval=3", "train.eval_interval=0"]
+    args = [*RUN, *corpus, *no_eval, "train.ckpt_interval=0", f"--count-syncs={counts_file}"]
+    result = torchrun(WORKER, str(tmp_path / "run"), *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(counts_file.read_text())
+    for step in ("1", "2", "4", "5"):
+        assert counts[step] == {"tolist": 1}, (step, counts)
+    assert counts["3"]["all_reduce"] == 2, counts  # the stop flags and the loss mean

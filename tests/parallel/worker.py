@@ -6,16 +6,24 @@
 --die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins.
 --logits FILE: after training, rank 0 saves the model's logits on a fixed input to FILE (every
 rank runs the forward: under FSDP it is a collective).
+--count-syncs FILE: rank 0 writes, for each step but the last, how many Python-level collectives
+and host reads of tensors (truthiness, .item(), .tolist() in this project's code) happened from
+the start of that step to the start of the next, as JSON {step: {what: count}}.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
+import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from tests.trainer.helpers import make_trainer
+from tests.trainer.helpers import ROOT, make_trainer
 
 PROBE = torch.arange(64).reshape(2, 32) * 97 % 50257  # fixed tokens, block_size 32
 
@@ -25,6 +33,7 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--die-at-step", type=int)
     parser.add_argument("--logits")
+    parser.add_argument("--count-syncs")
     args, overrides = parser.parse_known_args()
     trainer = make_trainer(args.run_dir, [], *overrides)
     rank = trainer.dist.rank
@@ -39,6 +48,9 @@ def main() -> None:
 
         trainer.train_step = dying_train_step
 
+    if args.count_syncs:
+        count_syncs(trainer, Path(args.count_syncs))
+
     if args.logits:
         finish = trainer._finish
 
@@ -52,6 +64,50 @@ def main() -> None:
 
         trainer._finish = finish_and_record
     trainer.run()
+
+
+COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "barrier")
+HOST_READS = ("__bool__", "item", "tolist")
+OURS = str(ROOT)
+VENV = str(Path(sys.prefix).resolve())
+
+
+def count_syncs(trainer, out: Path) -> None:
+    counts: collections.Counter = collections.Counter()
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*a, _name=name, _original=original, **kw):
+            counts[_name] += 1
+            return _original(*a, **kw)
+
+        setattr(dist, name, counted)
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, _name=name, _original=original, **kw):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(OURS) and not caller.startswith(VENV):  # not torch's own
+                counts[_name] += 1
+            return _original(self, *a, **kw)
+
+        setattr(torch.Tensor, name, read)
+    per_step: dict[int, dict[str, int]] = {}
+    train_step, finish = trainer.train_step, trainer._finish
+
+    def recording_train_step():
+        step = trainer.state.step
+        if step:
+            per_step[step] = dict(counts)
+        counts.clear()
+        return train_step()
+
+    def recording_finish():
+        if trainer.dist.rank == 0:
+            out.write_text(json.dumps(per_step))
+        return finish()
+
+    trainer.train_step, trainer._finish = recording_train_step, recording_finish
 
 
 if __name__ == "__main__":

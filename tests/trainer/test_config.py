@@ -82,3 +82,26 @@ def test_the_settings_default_to_what_the_yaml_says(optim):
     named = OptimSettings(name=optim, warmup_steps=settings.optim.warmup_steps)
     assert named == settings.optim
     assert built.train.batch_size == 8 and built.train.max_steps == 250  # configs/train.yaml
+
+
+def test_flash_with_dropout_is_refused_under_compile_only():
+    with pytest.raises(ConfigError, match=r"^compile=true with model.attention=flash"):
+        compose_run([], "compile=true", "model.attention=flash", "model.dropout=0.1")
+    compose_run([], "compile=true", "model.attention=flash")  # no dropout: one graph
+    compose_run([], "compile=true", "model.attention=sdpa", "model.dropout=0.1")
+    compose_run([], "model.attention=flash", "model.dropout=0.1")  # eager: fine
+
+
+def test_the_gpt2_presets_train_fast_by_default():
+    """model=gpt2 alone: its own 1024 context, sdpa, the vocabulary padded to 50304."""
+    for preset in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        settings, _ = full_run(f"model={preset}")
+        model = settings.model
+        assert (model["block_size"], model["attention"], model["vocab_size"]) == (
+            1024,
+            "sdpa",
+            50304,
+        )
+    settings, _ = full_run("experiment=gpt2_124m_fineweb")
+    assert settings.model["vocab_size"] == 50304 and settings.model["attention"] == "sdpa"
+    assert full_run()[0].model["block_size"] == 128  # the default run is unchanged

@@ -183,8 +183,8 @@ def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pa
     if where == "loss":
         forward = trainer.model.forward
 
-        def nan_forward(idx, targets=None, cache=None):
-            logits, loss = forward(idx, targets, cache)
+        def nan_forward(idx, targets=None, cache=None, **options):
+            logits, loss = forward(idx, targets, cache, **options)
             if trainer.state.step + 1 == poison_at:
                 loss = loss * float("nan")
             return logits, loss
@@ -201,12 +201,28 @@ def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pa
     assert all(torch.isfinite(p).all() for p in last.model.parameters())
 
 
+def test_under_a_gradient_scaler_a_non_finite_loss_still_reaches_on_nan(tmp_path, corpus):
+    """float16's scaler skips overflowing gradients, but a NaN loss is divergence: the run
+    stops (it used to go to the scaler, halving its scale forever)."""
+    trainer = make_trainer(tmp_path, corpus)
+    trainer.scaler = torch.amp.GradScaler("cpu")  # as dtype=float16 sets up, on the CPU
+    forward = trainer.model.forward
+
+    def nan_forward(idx, targets=None, cache=None, **options):
+        logits, loss = forward(idx, targets, cache, **options)
+        return logits, loss * float("nan") if trainer.state.step + 1 == 3 else loss
+
+    trainer.step_model = nan_forward
+    with pytest.raises(TrainingError, match="non-finite loss nan.* at step 3"):
+        trainer.run()
+
+
 def test_on_nan_skip_skips_the_step_and_goes_on(tmp_path, corpus):
     trainer = make_trainer(tmp_path, corpus, "train.on_nan=skip")
     forward = trainer.model.forward
 
-    def nan_forward(idx, targets=None, cache=None):
-        logits, loss = forward(idx, targets, cache)
+    def nan_forward(idx, targets=None, cache=None, **options):
+        logits, loss = forward(idx, targets, cache, **options)
         return logits, loss * float("nan") if trainer.state.step + 1 == 4 else loss
 
     trainer.step_model = nan_forward
