@@ -9,19 +9,17 @@ See configs/check_causality.yaml and the README ("Changing the model").
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import ConfigError, user_errors
-from core.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from core.device import resolve_device
+from core.entry import hydra_main
+from core.sources import load_source
 from model import ATTENTION_IMPLS, GPT, GPTConfig
 from model.causality import check_causality, shrunk_config
-from model.hf import load_hf_gpt2
 
 GPT2_VOCAB = 50257  # vocab_size: null at full size (only the tokenizer knows it; any size works)
 
@@ -38,14 +36,10 @@ def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
             return GPT(c), f"model: the config's, shrunk to {sizes} (options as configured)"
         config = GPTConfig.from_dict({**values, "vocab_size": values["vocab_size"] or GPT2_VOCAB})
         return GPT(config), f"model: the config's, full size ({config})"
-    path = Path(cfg["checkpoint"]).expanduser()
-    try:
-        ckpt = resolve_checkpoint(path)
-    except CheckpointError:
-        if not (path / "config.json").is_file():
-            raise
-        return load_hf_gpt2(path), f"model: Hugging Face GPT-2 weights from {path}"
-    return load_checkpoint(ckpt).model, f"model: checkpoint {ckpt}"
+    ckpt = load_source(str(cfg["checkpoint"]))  # ours, a Hugging Face GPT-2 dir, a GPT-2 name
+    if ckpt.meta.get("source"):  # Hugging Face weights
+        return ckpt.model, f"model: Hugging Face GPT-2 weights from {ckpt.meta['source']}"
+    return ckpt.model, f"model: checkpoint {ckpt.path}"
 
 
 def run(cfg: dict[str, Any]) -> int:
@@ -70,7 +64,7 @@ def run(cfg: dict[str, Any]) -> int:
     return 0 if report.causal else 1
 
 
-@hydra.main(config_path="configs", config_name="check_causality", version_base=None)
+@hydra_main("check_causality")
 def main(cfg: DictConfig) -> None:
     with user_errors():
         code = run(OmegaConf.to_container(cfg, resolve=True))

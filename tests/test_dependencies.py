@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OURS = {p.stem for p in ROOT.iterdir() if p.suffix == ".py"} | {
     p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() or p.name == "scripts"
 }
+OURS |= {p.stem for p in (ROOT / "benchmarks").glob("*.py")}  # benchmarks import each other
 
 
 def _imports(paths: list[Path]) -> set[str]:
@@ -52,9 +53,11 @@ def _undeclared(paths: list[Path], declared: set[str]) -> dict[str, list[str]]:
 
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-CODE = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in {"tests", ".venv"}]
+# The benchmarks are development tools, like the tests: they may use the dev extra.
+DEV_ONLY = {"tests", "benchmarks", ".venv"}
+CODE = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in DEV_ONLY]
 CODE = [p for p in CODE if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
-TESTS = list((ROOT / "tests").rglob("*.py"))
+TOOLS = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
 
 
 def test_every_import_of_the_code_is_a_declared_dependency():
@@ -62,9 +65,9 @@ def test_every_import_of_the_code_is_a_declared_dependency():
     assert _undeclared(CODE, _declared(PROJECT["dependencies"])) == {}
 
 
-def test_every_import_of_the_tests_is_declared_with_the_dev_extra():
+def test_every_import_of_the_tests_and_benchmarks_is_declared_with_the_dev_extra():
     declared = _declared(PROJECT["dependencies"] + PROJECT["optional-dependencies"]["dev"])
-    assert _undeclared(TESTS, declared) == {}
+    assert _undeclared(TOOLS, declared) == {}
 
 
 def test_an_undeclared_import_is_caught(tmp_path):

@@ -552,10 +552,6 @@ class Trainer:
             remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
         return remaining
 
-    def _log(self, metrics: dict[str, Any], step: int) -> None:
-        self.tracker.log(metrics, step)
-        self.metrics.log(metrics, step)
-
     def _periodic_eval(self) -> EvalResult:
         result = self.evaluate()
         improved = result.loss < self.state.best_val_loss
@@ -566,7 +562,7 @@ class Trainer:
             f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
-        self._log(result.metrics("val"), self.state.step)
+        self._record(result.metrics("val"), self.state.step)
         self.metrics.plot()
         if self.records_samples:
             self.tracker.log_samples(self._samples(), self.state.step)

@@ -23,7 +23,7 @@ def assert_one_error_line(result, expected: str) -> None:
         (
             "train.bogus=1",  # an unknown key: its section's keys are listed
             "error: unknown config key train.bogus; known keys: train.batch_size, "
-            "train.ckpt_interval,",
+            "train.check_causality, train.ckpt_interval,",
         ),
         ("train.batch_size=[1", "error: cannot parse the override 'train.batch_size=[1'"),
         ("train.batch_size=", "error: train.batch_size must be a positive integer, got ''"),
