@@ -11,6 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import trainer.loop as trainer_loop
+from base.errors import ConfigError
 from core.checkpoint import load_checkpoint
 from core.export import export_checkpoint
 from core.sources import load_source
@@ -47,6 +49,25 @@ def test_a_hugging_face_dir_starts_a_fresh_run(tmp_path, corpus, hf_gpt2_dir):
     assert_same_weights(trainer.model, load_source(hf_gpt2_dir).model, 32)
     assert trainer.model.config.block_size == 32 and trainer.state.step == 0
     assert not trainer.optimizer.state  # fresh optimizer: no moments yet
+    # loaded weights cannot be shrunk: the causality guard checked the loaded model itself
+    assert trainer.causality["checked"] and trainer.causality["causal"]
+    assert trainer.causality["model"].startswith("the loaded model: n_layer=2, n_embd=32")
+
+
+def test_the_guard_stops_a_loaded_model_that_sees_the_future(
+    tmp_path, corpus, hf_gpt2_dir, monkeypatch
+):
+    real = trainer_loop.pretrained_model
+
+    def leaky(*args, **kwargs):  # the loaded model with its attention mask removed
+        model = real(*args, **kwargs)
+        for block in model.transformer.h:
+            block.attn.causal_mask.fill_(True)
+        return model
+
+    monkeypatch.setattr(trainer_loop, "pretrained_model", leaky)
+    with pytest.raises(ConfigError, match="leak in the loaded model: .*layer 0 attn"):
+        init_trainer(tmp_path / "run", corpus, hf_gpt2_dir)
 
 
 def test_our_checkpoint_export_init_from_keeps_every_weight(tmp_path, corpus, trained_run):
