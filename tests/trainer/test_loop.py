@@ -237,25 +237,26 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, corpus, monkeypatc
     monkeypatch.chdir(tmp_path)
     make_trainer(Path("run"), corpus, "wandb.mode=offline").run()  # a relative run dir
     run_dir = tmp_path / "run"
-    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    # The printed upload command names the offline run by absolute path: it works anywhere.
-    hint = re.search(
-        r"wandb: offline run in (\S+) \(upload: wandb sync (\S+)\)", capsys.readouterr().out
-    )
-    assert hint[1] == hint[2] == str(run_file.parent)
-    # wandb's service process may still be writing the file when finish() returns (CI once read
-    # it without the config on a loaded machine): wait for the event, the last records in the
-    # file. The limit only turns records that never come into a failure.
+    printed = capsys.readouterr().out
+    # wandb's service process may still be creating and writing the run file when finish()
+    # returns (CI once found no file, once a file without the config, on a loaded machine):
+    # wait for the event, the last records in the file. The limit only turns records that never
+    # come into a failure.
     deadline = time.monotonic() + HANG_SECONDS
     while True:
+        files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
         try:
-            config, history = logged(run_file)
+            config, history = logged(files[0]) if len(files) == 1 else ({}, [])
         except Exception:  # noqa: BLE001 - a record still being written does not parse yet
             config, history = {}, []
         if "train" in config and any("final_val/bpb" in row for row in history):
             break
-        assert time.monotonic() < deadline, f"the run file lacks records: {sorted(config)}"
+        assert time.monotonic() < deadline, f"the run file lacks records: {files} {sorted(config)}"
         time.sleep(0.5)
+    (run_file,) = files
+    # The printed upload command names the offline run by absolute path: it works anywhere.
+    hint = re.search(r"wandb: offline run in (\S+) \(upload: wandb sync (\S+)\)", printed)
+    assert hint[1] == hint[2] == str(run_file.parent)
     assert '"batch_size":4' in config["train"].replace(" ", "")
     assert '"n_layer":2' in config["model"].replace(" ", "")
     keys = set().union(*history)

@@ -93,7 +93,7 @@ def test_the_check_refuses_exactly_above_the_budget_and_its_fix_fits(budget, cor
 
 
 def test_the_estimate_follows_attention_optimizer_and_dtype():
-    manual, flash = preset("gpt2"), preset("gpt2", attention="flash")
+    manual, flash = preset("gpt2", attention="manual"), preset("gpt2", attention="flash")
     f32 = estimate_memory(manual, 8, "adamw", torch.float32)
     scores = 12 * 8 * 12 * 1024 * 1024 * 4  # n_layer x B x nh x T^2 float32 probabilities
     assert f32.activations - estimate_memory(flash, 8, "adamw", torch.float32).activations > scores
