@@ -92,17 +92,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_writable(directory: str | Path) -> None:
-    """Fail at the start of a run, not at its first checkpoint, if `directory` cannot be
-    written (read-only, a path through a regular file, no permission)."""
-    directory = Path(directory)
+def writable_error(directory: str | Path) -> str | None:
+    """Why `directory` cannot be written (read-only, a path through a regular file, no
+    permission), or None when it can: made if missing, then a temporary file created in it."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        Path(directory).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
-        reason = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or e
-        raise CheckpointError(f"cannot write checkpoints to {directory}: {reason}") from e
+        return "a file is in the way" if isinstance(e, FileExistsError) else str(e.strerror or e)
+    return None
+
+
+def check_writable(directory: str | Path) -> None:
+    """Fail at the start of a run, not at its first checkpoint, if `directory` cannot be
+    written."""
+    if (reason := writable_error(directory)) is not None:
+        raise CheckpointError(f"cannot write checkpoints to {directory}: {reason}")
 
 
 @contextlib.contextmanager

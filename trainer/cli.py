@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import EXIT_USER_ERROR, ConfigError, user_errors
-from core.checkpoint import resume_source, verify_checkpoint
+from core.checkpoint import resume_source, verify_checkpoint, writable_error
 from model import GPTConfig
 from trainer.config import RunConfig
 from trainer.init_from import RUNTIME_KEYS
@@ -234,14 +234,10 @@ class ValidateBeforeRunDir(Callback):
 
 
 def _check_writable(directory: str, key: str) -> None:
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
+    if (reason := writable_error(directory)) is not None:
         print(
-            f"error: cannot write to the run directory {Path(directory).absolute()}: "
-            f"{e.strerror or e}; set {key} to a writable directory",
+            f"error: cannot write to the run directory {Path(directory).absolute()}: {reason}; "
+            f"set {key} to a writable directory",
             file=sys.stderr,
         )
         sys.exit(EXIT_USER_ERROR)
