@@ -98,6 +98,7 @@ class OptimSettings:
 
     name: str  # adamw | muon
     lr: float  # peak learning rate (under muon: of the AdamW part)
+    embed_lr: float | None  # the embedding tables' own AdamW rate (their own group); None: lr
     min_lr: float  # the schedule's floor
     weight_decay: float  # on matrices and embeddings, never on biases and norms
     betas: tuple[float, float]
@@ -116,6 +117,9 @@ class OptimSettings:
     def __post_init__(self) -> None:
         _one_of("optim.name", self.name, ("adamw", "muon"))
         check("optim.lr", self.lr, number("optim.lr", self.lr, low=0.0) > 0, "positive")
+        if self.embed_lr is not None:
+            positive = number("optim.embed_lr", self.embed_lr, low=0.0) > 0
+            check("optim.embed_lr", self.embed_lr, positive, "positive or null")
         number("optim.min_lr", self.min_lr, low=0.0)
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")

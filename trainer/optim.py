@@ -22,15 +22,29 @@ def is_block_matrix(name: str, p: nn.Parameter) -> bool:
     return name.startswith("transformer.h.") and p.dim() == 2
 
 
+def is_embedding_table(name: str) -> bool:
+    """The input embedding tables (tokens, learned positions): what optim.embed_lr trains."""
+    return name in ("transformer.wte.weight", "transformer.wpe.weight")
+
+
 def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, Any]]:
     """AdamW's two groups, weight decay on matrices and embeddings (dim >= 2) and none on biases
-    and norm gains (they only shift or scale and gain nothing from being pulled to zero); under
-    muon the block matrices leave them for a third, Muon group. Each parameter is in exactly
-    one group (named_parameters lists a tied head once, as the embedding)."""
+    and norm gains (they only shift or scale and gain nothing from being pulled to zero); with
+    optim.embed_lr the embedding tables leave them for a group of their own at that rate (a
+    one-hot input row gets a gradient only where its token occurs, so it can take a larger
+    step than the dense matrices); under muon the block matrices leave them for a last, Muon
+    group. Each parameter is in exactly one group (named_parameters lists a tied head once, as
+    the embedding)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = settings.name == "muon"
     to_muon = [p for n, p in named if muon and is_block_matrix(n, p)]
-    rest = [p for n, p in named if not (muon and is_block_matrix(n, p))]
+    own_rate = settings.embed_lr is not None
+    to_embed = [p for n, p in named if own_rate and is_embedding_table(n)]
+    rest = [
+        p
+        for n, p in named
+        if not (muon and is_block_matrix(n, p)) and not (own_rate and is_embedding_table(n))
+    ]
     adamw = {
         "base_lr": settings.lr,
         "lr": settings.lr,
@@ -42,6 +56,9 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
         {**adamw, "params": [p for p in rest if p.dim() >= 2], "weight_decay": decay},
         {**adamw, "params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if own_rate:  # optim.embed_lr: a third AdamW group, so that null keeps the groups as they were
+        embed_lr = {"base_lr": settings.embed_lr, "lr": settings.embed_lr}
+        groups.append({**adamw, **embed_lr, "params": to_embed, "weight_decay": decay})
     if not muon:
         return groups
     for group in groups:

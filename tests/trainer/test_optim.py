@@ -75,6 +75,40 @@ def test_decay_applies_to_matrices_only_and_each_parameter_once():
     assert len(grouped) == len(set(grouped)) == len(list(model.parameters()))  # tied head once
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_embed_lr_gives_the_embedding_tables_their_own_rate_and_nothing_else(name, tie):
+    model = GPT(tiny_config(tie_embeddings=tie))
+    settings = OptimSettings(name=name, lr=1e-3, embed_lr=0.05, warmup_steps=0)
+    optimizer = build_optimizer(model, settings, torch.device("cpu"))
+    table = model.transformer.wte.weight
+    (embed,) = [g for g in optimizer.param_groups if g["base_lr"] == 0.05]
+    positions = [model.transformer.wpe.weight] if "wpe" in model.transformer else []
+    assert [id(p) for p in embed["params"]] == [id(p) for p in [table, *positions]]
+    assert embed["weight_decay"] == settings.weight_decay and embed.get("use_muon") in (None, False)
+    others = [p for g in optimizer.param_groups if g is not embed for p in g["params"]]
+    assert all(p is not table for p in others)
+    assert (model.lm_head.weight is table) == tie  # tied: the head trains at embed_lr too
+    grouped = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(grouped) == len(set(grouped)) == len(list(model.parameters()))
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # group 0 is still AdamW's rate (the log's)
+    set_lr(optimizer, lr_scale(10**6, settings, 100))  # past the end: at its own floor
+    assert embed["lr"] == pytest.approx(0.05 * settings.min_lr / settings.lr)
+
+
+def test_embed_lr_null_keeps_the_groups_of_checkpoints_saved_before_it():
+    model = GPT(tiny_config())
+    plain = build_optimizer(model, OptimSettings(name="muon"), torch.device("cpu"))
+    assert len(plain.param_groups) == 3  # AdamW decay, AdamW no decay, Muon: as before embed_lr
+    assert all(g["base_lr"] != 0.05 for g in plain.param_groups)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "fast"])
+def test_a_bad_embed_lr_names_its_key(value):
+    with pytest.raises(ConfigError, match=r"^optim.embed_lr "):
+        compose_run([], f"optim.embed_lr={value}")
+
+
 # ----- the time budget ------------------------------------------------------------------------
 
 
