@@ -68,6 +68,30 @@ def test_every_experiment_composes_into_a_valid_run(name):
     GPTConfig.from_dict({**resolved["model"], "vocab_size": 50257})  # the model config is valid
 
 
+def test_the_speedruns_reference_is_nanogpts_char_recipe_on_the_same_clock():
+    """experiment=nanogpt_char_cpu, the README's reference figure: nanoGPT's
+    train_shakespeare_char with its CPU overrides, GPT-2's architecture, on the speedrun's data,
+    time budget and scoring."""
+    ref, resolved = full_run("experiment=nanogpt_char_cpu")
+    speedrun, speedrun_resolved = full_run("experiment=speedrun_cpu")
+    model = resolved["model"]
+    assert (model["n_layer"], model["n_head"], model["n_embd"], model["block_size"]) == (
+        4,
+        4,
+        128,
+        64,
+    )
+    assert model["pos_embedding"] == "learned" and model["norm"] == "layernorm"
+    assert model["mlp"] == "gelu" and model["tie_embeddings"] and model["dropout"] == 0.0
+    assert resolved["data"]["tokenizer"] == "bytes" and ref.train.batch_size == 12
+    assert ref.optim.name == "adamw" and ref.optim.schedule == "cosine"
+    assert (ref.optim.lr, ref.optim.min_lr, ref.optim.betas) == (1e-3, 1e-4, (0.9, 0.99))
+    assert ref.optim.warmup_steps == 100 and ref.optim.embed_lr is None
+    assert resolved["data"]["name"] == speedrun_resolved["data"]["name"] == "shakespeare"
+    assert ref.train.max_seconds == speedrun.train.max_seconds == 300
+    assert ref.train.final_eval == speedrun.train.final_eval == "whole"
+
+
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_the_settings_default_to_what_the_yaml_says(optim):
     """The defaults are written once, in configs/: building settings in code (no Hydra) gives
