@@ -178,6 +178,22 @@ def test_sampling_draws_only_tokens_that_survive_the_filters():
     assert set(drawn.tolist()) == {0, 1}
 
 
+def test_a_uniform_rounded_up_to_the_total_still_draws_a_token_that_has_probability(
+    monkeypatch,
+):
+    """Inverse-CDF sampling: u * total can round up to the total, past every cumulative sum;
+    the draw is then the last token with any probability, never a filtered or padded one."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    context = torch.zeros(1, 1, dtype=torch.long)
+    monkeypatch.setattr(
+        torch, "rand", lambda *shape, generator, dtype: torch.ones(*shape, dtype=dtype)
+    )
+    drawn = next_token(logits, context, SamplingParams(top_k=2), torch.Generator())
+    assert drawn.tolist() == [1]  # tokens 2-4 have probability 0 after top_k=2
+    unfiltered = next_token(logits, context, SamplingParams(), torch.Generator())
+    assert unfiltered.tolist() == [4]  # the control: with no filter the last token is drawable
+
+
 def test_temperature_zero_is_greedy_and_the_repetition_penalty_applies_before_it():
     logits = torch.tensor([[2.0, 1.5, 0.0]])
     context = torch.tensor([[0]])
