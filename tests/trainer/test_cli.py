@@ -62,7 +62,7 @@ def test_changes_to_the_model_data_or_optimizer_are_refused_naming_the_key(overr
 
 def test_a_recipe_that_changes_the_model_is_refused():
     composed = config("train.resume=auto", "experiment=speedrun_cpu")
-    with pytest.raises(ConfigError, match=r"cannot resume with data.tokenizer='bpe-1024'"):
+    with pytest.raises(ConfigError, match=r"cannot resume with data.tokenizer='bpe-2048'"):
         resumed_config(SAVED, composed, DEFAULTS, ["train.resume", "experiment"], "auto")
 
 

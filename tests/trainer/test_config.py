@@ -90,6 +90,9 @@ def test_the_speedruns_reference_is_nanogpts_char_recipe_on_the_same_clock():
     assert resolved["data"]["name"] == speedrun_resolved["data"]["name"] == "shakespeare"
     assert ref.train.max_seconds == speedrun.train.max_seconds == 300
     assert ref.train.final_eval == speedrun.train.final_eval == "whole"
+    # the speedrun's own rules: our attention, and the precision the machine's probe picks
+    assert speedrun_resolved["model"]["attention"] == "manual"
+    assert speedrun_resolved["dtype"] == resolved["dtype"] == "auto"
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
