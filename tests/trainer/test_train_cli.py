@@ -95,10 +95,16 @@ def _pipe_capacity() -> int:
     return 4096 if hasattr(fcntl, "F_SETPIPE_SZ") else 65536
 
 
-def test_an_interrupted_run_resumes_verbatim_from_the_printed_command(tmp_path, corpus):
+def test_an_interrupted_run_resumes_verbatim_from_the_printed_command(
+    tmp_path, corpus, monkeypatch
+):
     """The issue's run: overrides (a byte tokenizer, a tiny model) that the printed resume
     command does not repeat. Run verbatim, it continues the same run and ends exactly where an
-    uninterrupted run does; a resume that would change the model is refused, touching nothing."""
+    uninterrupted run does; a resume that would change the model is refused, touching nothing.
+    Every run uses one thread: the comparison is bit for bit, and how a matmul or reduction is
+    split across threads may change its last bits, which is not what this test is about."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
     steps = 3 + _pipe_capacity() // 55 + 2  # more than the run can take before the signal is in
     args = [*TINY, *corpus, "data.tokenizer=bytes", f"train.max_steps={steps}"]
     args += ["train.eval_interval=0", "train.ckpt_interval=0"]
