@@ -35,16 +35,20 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
     step than the dense matrices); under muon the block matrices leave them for a last, Muon
     group. Each parameter is in exactly one group (named_parameters lists a tied head once, as
     the embedding)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = settings.name == "muon"
-    to_muon = [p for n, p in named if muon and is_block_matrix(n, p)]
     own_rate = settings.embed_lr is not None
-    to_embed = [p for n, p in named if own_rate and is_embedding_table(n)]
-    rest = [
-        p
-        for n, p in named
-        if not (muon and is_block_matrix(n, p)) and not (own_rate and is_embedding_table(n))
-    ]
+
+    def group_of(name: str, p: nn.Parameter) -> str:
+        if muon and is_block_matrix(name, p):
+            return "muon"
+        if own_rate and is_embedding_table(name):
+            return "embed"
+        return "decay" if p.dim() >= 2 else "no_decay"
+
+    members: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "embed": [], "muon": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            members[group_of(name, p)].append(p)
     adamw = {
         "base_lr": settings.lr,
         "lr": settings.lr,
@@ -53,19 +57,19 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
     }
     decay = settings.weight_decay
     groups = [
-        {**adamw, "params": [p for p in rest if p.dim() >= 2], "weight_decay": decay},
-        {**adamw, "params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        {**adamw, "params": members["decay"], "weight_decay": decay},
+        {**adamw, "params": members["no_decay"], "weight_decay": 0.0},
     ]
     if own_rate:  # optim.embed_lr: a third AdamW group, so that null keeps the groups as they were
         embed_lr = {"base_lr": settings.embed_lr, "lr": settings.embed_lr}
-        groups.append({**adamw, **embed_lr, "params": to_embed, "weight_decay": decay})
+        groups.append({**adamw, **embed_lr, "params": members["embed"], "weight_decay": decay})
     if not muon:
         return groups
     for group in groups:
         group["use_muon"] = False
     groups.append(
         {
-            "params": to_muon,
+            "params": members["muon"],
             "use_muon": True,
             "base_lr": settings.muon_lr,
             "lr": settings.muon_lr,
