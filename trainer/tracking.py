@@ -60,6 +60,9 @@ class Tracker:
             mode=self.mode,
             id=resume_id,
             resume="allow" if resume_id else None,
+            # A run of its own even when the process has another open (a Trainer that raised,
+            # a notebook's run): wandb's default outside notebooks hands that one back.
+            reinit="create_new",
             # System-stats sampling and console capture run in wandb's service process and cost
             # a large share of a small CPU machine; training metrics are all logged explicitly.
             settings=wandb.Settings(x_disable_stats=True, console="off"),

@@ -114,8 +114,7 @@ def test_finetune_shakespeare_composes_and_builds(tmp_path, hf_gpt2_dir, shakesp
         resolved["model"], OmegaConf.to_container(default.model), overrides
     )
     resolved["model"]["block_size"] = 64  # the tiny stand-in has 64 positions, GPT-2 1024
-    # Built, never run: a wandb run it opened would stay open in this process, and wandb.init
-    # in a later test would hand that run back instead of a new one.
+    # Built, never run (and never finished): no wandb run to open.
     resolved["wandb"]["mode"] = "disabled"
     settings = RunConfig.from_dict(resolved)
     assert settings.optim.schedule == "constant" and settings.optim.lr == 3e-5
