@@ -218,10 +218,10 @@ class GPT(nn.Module):
     def decoding_head(self) -> torch.Tensor:
         """The head's weight as a contiguous (C, vocab) copy, for `logits(x, head_t)` when
         decoding a few tokens at a time. A row vector times this layout streams the 50k x C
-        matrix faster than lm_head's (vocab, C) one does: 26 against 19 GB/s on a 2-core Intel
-        Xeon (benchmarks/bench_sample.py prints both on any machine). A copy: take a new one
-        after the weights change."""
-        return self.lm_head.weight.t().contiguous()
+        matrix faster than lm_head's (vocab, C) one does: 25-27 against 19-21 GB/s on a 2-core
+        Intel Xeon (benchmarks/bench_sample.py prints both on any machine). A detached copy:
+        no gradient reaches lm_head through it; take a new one after the weights change."""
+        return self.lm_head.weight.detach().t().contiguous()
 
     def embed(
         self, tok_emb: torch.Tensor, start: int = 0

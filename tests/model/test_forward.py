@@ -37,6 +37,7 @@ def test_forward_is_hidden_states_then_logits_with_either_head_layout(options):
     head_t = model.decoding_head()  # (C, vocab), its own memory
     assert head_t.shape == (model.config.n_embd, model.config.vocab_size)
     assert head_t.is_contiguous() and head_t.data_ptr() != model.lm_head.weight.data_ptr()
+    assert not head_t.requires_grad  # a decoding copy: no graph back to the weights
     torch.testing.assert_close(model.logits(x, head_t), logits, atol=1e-6, rtol=1e-5)
     head_t.mul_(2)  # a wrong head must show: the layout changes the speed, never the logits
     assert not torch.allclose(model.logits(x, head_t), logits)
