@@ -12,17 +12,19 @@ past the 256-token block, so the window restarts). Rows:
 - ours without the KV cache (a forward over the window each step);
 - ours with the KV cache (one token a step, half a window re-processed every 128 tokens),
   in float32 and, where `dtype=auto` picks it, bfloat16 weights (half the bytes a token);
-- the decoding step's matrix-vector products alone (every block's Linear layers, then the head),
-  nothing else: how fast this machine's BLAS reads the weights, the ceiling of any decoder that
-  calls it. The gap between this row and the cached one is everything else a token costs
-  (attention over the cache, norms, activations, sampling, Python and dispatch).
+- the decoding step's matrix-vector products alone (every block's Linear layers, then the head,
+  in the layout generation uses), nothing else: how fast this machine's BLAS reads the weights,
+  the ceiling of any decoder that calls it. The gap between this row and the cached one is
+  everything else a token costs (attention over the cache, norms, activations, sampling, Python
+  and dispatch).
 
 Bandwidth is a 256 MiB tensor copy (bytes read + written per second), the best of 5. The
 machines this runs on are shared, and their speed drifts within minutes, so the rows are
 measured --rounds times, interleaved, each round with its own bandwidth: a row's tok/s is its
 median over the rounds, "vs nanoGPT" the median of the per-round ratios, and the roofline uses
-the highest bandwidth measured (the strictest). A first table compares the head's two layouts
-(GPT.decoding_head). Run from anywhere:
+the highest bandwidth measured (the strictest). A first table times those matrix-vector products
+in each layout (inference/decoding.py): nn.Linear's, an (in, out) copy, and that copy in column
+blocks, one per thread, as generation uses on a CPU. Run from anywhere:
 ``python benchmarks/bench_sample.py [--new-tokens N] [--rounds N] [--threads N]``.
 """
 
@@ -37,11 +39,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.device import cpu_auto_dtype, cpu_name  # noqa: E402
 from inference import SamplingParams, generate  # noqa: E402
+from inference.decoding import SplitLinear  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304, dropout=0.0)
@@ -82,32 +86,21 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_matmuls(model: GPT) -> Callable[[], None]:
-    """One decoding step's matrix-vector products and nothing else: every block's Linear
-    layers on a random vector of their input width, then the head from its decoding layout."""
-    linears = [m for m in model.transformer.modules() if isinstance(m, torch.nn.Linear)]
-    head_t = model.decoding_head()
+def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
+    """One decoding step's matrix-vector products and nothing else: every block's Linear layers,
+    then the head, on a random vector of their input width; from nn.Linear's (out, in) layout
+    (parts None), or as SplitLinear copies in `parts` column blocks (inference/decoding.py)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]  # the head is last
+    layers = linears if parts is None else [SplitLinear(m, parts) for m in linears]
     w = model.lm_head.weight
     inputs = {m.in_features: torch.randn(1, m.in_features, dtype=w.dtype) for m in linears}
+    widths = [m.in_features for m in linears]
 
     def step() -> None:
-        for m in linears:
-            m(inputs[m.in_features])
-        inputs[head_t.size(0)] @ head_t
+        for layer, width in zip(layers, widths, strict=True):
+            layer(inputs[width])
 
     return step
-
-
-def head_layouts(model: GPT) -> list[tuple[str, Callable[[], None]]]:
-    """The head's matrix-vector product from lm_head's (vocab, C) layout and from the
-    (C, vocab) copy generation decodes with (GPT.decoding_head)."""
-    w = model.lm_head.weight
-    x = torch.randn(1, w.size(1), dtype=w.dtype)
-    head_t = model.decoding_head()
-    return [
-        ("lm_head as stored, (vocab, C): F.linear(x, W)", lambda: F.linear(x, w)),
-        ("decoding_head() copy, (C, vocab): x @ head_t", lambda: x @ head_t),
-    ]
 
 
 def main() -> None:
@@ -149,9 +142,11 @@ def main() -> None:
             lambda: timed(lambda: nanogpt_generate(nanogpt, prompt, n, gen)),
         )
     ]
+    threads = torch.get_num_threads()
     for dtype in dtypes:
         ours = GPT(GPTConfig(**SHAPE)).eval().to(getattr(torch, dtype))
-        matmuls = decode_matmuls(ours)
+        # generation's layout: the decoding copy's column blocks for float32 (generate.py)
+        matmuls = decode_matmuls(ours, threads if dtype == "float32" else None)
         rows += [
             (
                 f"ours, no cache ({dtype})",
@@ -169,12 +164,17 @@ def main() -> None:
                 lambda f=matmuls: sum(timed(f) for _ in range(n)),
             ),
         ]
-    head_model = rows[-1][1]
-    heads = head_layouts(head_model)
+    layouts = [
+        ("nn.Linear as stored, (out, in): F.linear(x, W)", None),
+        ("an (in, out) copy, one block: x @ W^T", 1),
+    ]
+    if threads > 1:
+        layouts.append((f"an (in, out) copy in {threads} column blocks: torch.bmm", threads))
+    layouts = [(name, decode_matmuls(nanogpt, parts)) for name, parts in layouts]  # float32
     nanogpt_generate(nanogpt, prompt, 5, gen)  # warm-up
     for _, m, _ in rows[1:]:
         generate(m, prompt, 5, sample, gen)
-    bandwidths, seconds, head_seconds = [], [[] for _ in rows], [[] for _ in heads]
+    bandwidths, seconds, layout_seconds = [], [[] for _ in rows], [[] for _ in layouts]
     for r in range(args.rounds):
         bandwidths.append(bandwidth())
         for times, (_, _, run) in zip(seconds, rows, strict=True):
@@ -182,16 +182,14 @@ def main() -> None:
         tok_s = " | ".join(f"{n / times[-1]:,.1f}" for times in seconds)
         print(f"round {r + 1}: copy bandwidth {bandwidths[-1] / 1e9:.1f} GB/s; tok/s {tok_s}")
         for _ in range(10):
-            for times, (_, product) in zip(head_seconds, heads, strict=True):
-                times.append(timed(product))
+            for times, (_, step) in zip(layout_seconds, layouts, strict=True):
+                times.append(timed(step))
     bw = max(bandwidths)
-    w = head_model.lm_head.weight
-    print(f"\n| head matrix-vector product ({w.dtype}) | ms | GB/s |")
+    print("\n| a decoding step's matrix-vector products (float32), layout | ms | GB/s |")
     print("|---|---:|---:|")
-    for (name, _), times in zip(heads, head_seconds, strict=True):
+    for (name, _), times in zip(layouts, layout_seconds, strict=True):
         median = statistics.median(times)
-        gb_s = w.numel() * w.element_size() / median / 1e9
-        print(f"| {name} | {median * 1e3:.2f} | {gb_s:.1f} |")
+        print(f"| {name} | {median * 1e3:.2f} | {weight_bytes(nanogpt) / median / 1e9:.1f} |")
     print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (the best round), the roofline's\n")
     header = "generation | weights | MB read/token | roofline tok/s | tok/s | of roofline"
     print(f"| {header} | vs nanoGPT |")

@@ -154,7 +154,7 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
             os.replace(tmp, file)
     dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     verdict = "picked" if dtype == torch.bfloat16 else f"under {BF16_MIN_SPEEDUP}x: float32"
-    return dtype, f"dtype=auto: bfloat16 matmuls {speedup:.2f}x float32's on this CPU ({verdict})"
+    return dtype, f"dtype=auto: bfloat16 matmuls {speedup:.2g}x float32's on this CPU ({verdict})"
 
 
 def bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = 3) -> float:

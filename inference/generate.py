@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from base.checks import check, is_int, is_number
+from inference.decoding import decodes_from_a_copy, decoding_copy, is_sharded
 from inference.filters import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 from model import GPT
 
@@ -105,39 +106,39 @@ class TokenContext:
                 f"idx must be (batch, tokens) with at least one token, got {tuple(idx.shape)}; "
                 "start an empty prompt from the end-of-text token"
             )
-        self.model = model
         self.block_size = model.config.block_size
         self.keep = max(1, self.block_size // 2)  # tokens a full window restarts from
         self.seq = idx
         self.start = max(0, idx.size(1) - self.block_size)  # a long prompt: its last block_size
         self.cache = model.new_kv_cache(idx.size(0)) if use_cache else None
-        self.vocab_size = vocab_size  # the tokenizer's: rows past it are padding (see `logits`)
-        # A token's costliest matmul is the head's matrix-vector product; on a CPU it streams
-        # faster from a (C, vocab) copy of the weight (GPT.decoding_head). GPUs read either
-        # layout at full speed, so they spend no memory on a copy.
-        on_cpu = model.lm_head.weight.device.type == "cpu"
-        self.head_t = model.decoding_head() if on_cpu else None
+        # Rows of the logits past the tokenizer's vocabulary are padding (see `logits`)
+        self.padding = None
+        if vocab_size is not None and vocab_size < model.config.vocab_size:
+            self.padding = torch.arange(model.config.vocab_size, device=idx.device) >= vocab_size
+        # On a CPU, a token's matrix-vector products stream the weights faster from the layout
+        # of inference/decoding.py, in a copy of the model's Linear layers
+        self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
+        # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
+        # FSDP's hooks need version counters, so its sharded models decode under no_grad
+        self.grad_free = torch.no_grad if is_sharded(model) else torch.inference_mode
 
-    @torch.inference_mode()
     def logits(self) -> torch.Tensor:
         """Logits (B, V) for the token after `seq`; call once per `append`."""
         if self.seq.size(1) - self.start > self.block_size:  # the window is full: restart it
             self.start = self.seq.size(1) - self.keep
             if self.cache is not None:
                 self.cache.reset()
-        if self.cache is None:
-            x = self.model.hidden_states(self.seq[:, self.start :], last_only=True)
-        else:
-            new = self.seq[:, self.start + self.cache.length :]  # the window's first tokens, then 1
-            x = self.model.hidden_states(new, cache=self.cache, last_only=True)
-        logits = self.model.logits(x[:, -1], self.head_t)  # (B, V)
-        if self.vocab_size is not None and self.vocab_size < logits.size(-1):
-            # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
-            # the padding decodes to nothing, so it can never be drawn, greedy or sampled.
-            logits = logits.masked_fill(
-                torch.arange(logits.size(-1), device=logits.device) >= self.vocab_size,
-                float("-inf"),
-            )
+        with self.grad_free():
+            if self.cache is None:
+                logits, _ = self.decoder(self.seq[:, self.start :], last_only=True)
+            else:
+                new = self.seq[:, self.start + self.cache.length :]  # the window's start, then 1
+                logits, _ = self.decoder(new, cache=self.cache, last_only=True)
+            logits = logits[:, -1]  # (B, V)
+            if self.padding is not None:
+                # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
+                # the padding decodes to nothing, so it can never be drawn, greedy or sampled.
+                logits = logits.masked_fill(self.padding, float("-inf"))
         return logits
 
     def append(self, token: torch.Tensor) -> None:
@@ -145,7 +146,6 @@ class TokenContext:
         self.seq = torch.cat([self.seq, token[:, None]], dim=1)
 
 
-@torch.inference_mode()  # no_grad, and no view or version tracking: ~10% less per token
 def stream_tokens(
     model: GPT,
     idx: torch.Tensor,
@@ -171,11 +171,12 @@ def stream_tokens(
     context = TokenContext(model, idx, use_cache, vocab_size)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
-        token = next_token(context.logits(), context.seq, params, generator)
-        if eot_token is not None:
-            token = token.masked_fill(finished, eot_token)
-            finished |= token == eot_token
-        context.append(token)
+        with context.grad_free():
+            token = next_token(context.logits(), context.seq, params, generator)
+            if eot_token is not None:
+                token = token.masked_fill(finished, eot_token)
+                finished |= token == eot_token
+            context.append(token)
         yield token
         if finished.all():
             return

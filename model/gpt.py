@@ -205,23 +205,13 @@ class GPT(nn.Module):
             x = x[:, -1:]  # (B, 1, C)
         return self.transformer.ln_f(x)
 
-    def logits(self, x: torch.Tensor, head_t: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (..., vocab) of final hidden states x (..., C). head_t: the head's weight
-        transposed into a contiguous (C, vocab) copy (`decoding_head`), which generation passes;
-        None uses lm_head as stored, (vocab, C)."""
-        logits = self.lm_head(x) if head_t is None else x @ head_t
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of final hidden states x (..., C)."""
+        logits = self.lm_head(x)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
         return logits
-
-    def decoding_head(self) -> torch.Tensor:
-        """The head's weight as a contiguous (C, vocab) copy, for `logits(x, head_t)` when
-        decoding a few tokens at a time. A row vector times this layout streams the 50k x C
-        matrix faster than lm_head's (vocab, C) one does: 25-27 against 19-21 GB/s on a 2-core
-        Intel Xeon (benchmarks/bench_sample.py prints both on any machine). A detached copy:
-        no gradient reaches lm_head through it; take a new one after the weights change."""
-        return self.lm_head.weight.detach().t().contiguous()
 
     def embed(
         self, tok_emb: torch.Tensor, start: int = 0
@@ -258,7 +248,7 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache sized for this model, on its device and in its dtype."""
         c = self.config
-        w = self.lm_head.weight
+        w = self.transformer.wte.weight
         return KVCache(
             c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size, w.device, w.dtype
         )

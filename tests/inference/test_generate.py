@@ -100,7 +100,7 @@ def test_the_head_runs_at_the_last_position_only(model, monkeypatch):
     monkeypatch.setattr(model, "logits", spy)
     list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, SamplingParams(0)))
     list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, use_cache=False))
-    assert set(seen) == {(1, model.config.n_embd)}  # one position of one row, every step
+    assert set(seen) == {(1, 1, model.config.n_embd)}  # one position of one row, every step
 
 
 def test_a_prompt_longer_than_block_size_continues_its_last_block_size_tokens(model):

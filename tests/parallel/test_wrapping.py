@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from inference import SamplingParams, generate
+from inference.decoding import decodes_from_a_copy
 from model import GPT
 from tests.conftest import tiny_config
 from trainer import distributed
@@ -44,6 +48,15 @@ def test_fsdp_gathers_parameters_in_the_compute_dtype_and_reduces_in_float32(gro
         expected = None if dtype == torch.float32 else dtype
         assert policy.param_dtype == expected
         assert policy.reduce_dtype == (None if dtype == torch.float32 else torch.float32)
+
+
+def test_an_fsdp_model_generates_from_itself_the_plain_models_tokens(group):
+    torch.manual_seed(0)
+    plain = GPT(tiny_config()).eval()
+    model = wrap_model(copy.deepcopy(plain), "fsdp", TWO_RANKS, torch.device("cpu"))
+    assert decodes_from_a_copy(plain) and not decodes_from_a_copy(model)  # shards: no copy
+    prompt, greedy = torch.tensor([[1, 2, 3]]), SamplingParams(temperature=0)
+    assert torch.equal(generate(model, prompt, 20, greedy), generate(plain, prompt, 20, greedy))
 
 
 def test_fsdp_compiles_each_block_not_the_sharded_whole(group, monkeypatch):
