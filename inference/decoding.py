@@ -2,46 +2,60 @@
 
 Decoding one token at batch 1 multiplies one vector by every weight matrix, so its speed is how
 fast the weights stream from memory. MKL, torch's CPU BLAS, runs such a product on one core, and
-from nn.Linear's (out, in) layout at a fraction of the bandwidth: on a 2-core AMD EPYC (Zen 3)
-8-9 GB/s for GPT-2's head against 18-21 GB/s from an (in, out) copy, and ~27 GB/s with the copy
-cut into two column blocks that `torch.bmm` hands to the two cores (benchmarks/bench_sample.py
-prints these figures on any machine). `decoding_copy` gives generation a copy of the model whose
-Linear layers are `SplitLinear`s: the same values in that layout, the model's code unchanged.
+from nn.Linear's (out, in) layout at a fraction of the bandwidth: on a 2-core AMD EPYC ~10 GB/s
+for GPT-2's head against ~24 GB/s from an (in, out) copy. Cut that copy into one block of rows
+per core and `torch.bmm` runs the blocks side by side, each core reading its own part of the
+matrix against its slice of the input vector; the partial sums then add up to the product
+(~40-48 GB/s for the head on that CPU, more than a block of columns per core gave: ~40 GB/s,
+and far more for the blocks' small matrices). benchmarks/bench_sample.py prints these figures
+on any machine. `decoding_copy` gives generation a copy of the model whose Linear layers are
+`SplitLinear`s: the same values in that layout, the model's code unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import time
+from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from core.device import bf16_verdict, measured_once, pinned_cpu_dtype, resolve_dtype
+
+# The decoding probe's matrix, (in, out): 100 MB in float32, larger than any CPU's caches, so
+# that it streams from memory as a token's weights do.
+PROBE_SHAPE = (768, 32768)
+
 
 class SplitLinear(nn.Module):
-    """nn.Linear's y = x W^T + b, with W copied into `parts` column blocks side by side, each in
-    (in, out) layout: blocks (parts, in, width), the last block padded with zero columns. One
-    torch.bmm multiplies the input by every block, and the blocks' outputs side by side are y.
-    Inference only: the blocks are a detached copy, taken when the copy is made."""
+    """nn.Linear's y = x W^T + b, with W^T (in, out) copied into `parts` blocks of consecutive
+    rows: blocks (parts, in / parts, out), the last block padded with zero rows. Each block
+    multiplies its slice of x's entries (one torch.bmm for all, a block per core), and the
+    blocks' partial sums add up to y. Inference only: the blocks are a detached copy, taken when
+    the copy is made."""
 
     def __init__(self, linear: nn.Linear, parts: int):
         super().__init__()
         weight = linear.weight.detach()  # (out, in)
-        self.out_features, in_features = weight.shape
-        width = -(-self.out_features // parts)  # output columns per block, rounded up
-        padded = weight.new_zeros(parts * width, in_features)  # (parts * width, in)
-        padded[: self.out_features] = weight
-        blocks = padded.view(parts, width, in_features).transpose(1, 2).contiguous()
-        self.register_buffer("blocks", blocks, persistent=False)  # (parts, in, width)
+        self.out_features, self.in_features = weight.shape
+        height = -(-self.in_features // parts)  # input rows per block, rounded up
+        padded = weight.new_zeros(parts * height, self.out_features)  # (parts * height, out)
+        padded[: self.in_features] = weight.t()
+        self.register_buffer("blocks", padded.view(parts, height, -1), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)  # (out,) or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out)."""
+        parts, height, out = self.blocks.shape
         lead = x.shape[:-1]
-        rows = x.reshape(1, -1, x.size(-1)).expand(self.blocks.size(0), -1, -1)  # (parts, n, in)
-        y = torch.bmm(rows, self.blocks)  # (parts, n, width)
-        y = y.transpose(0, 1).reshape(*lead, -1)[..., : self.out_features]  # (..., out)
+        if parts * height > self.in_features:  # zero entries against the zero rows
+            x = F.pad(x, (0, parts * height - self.in_features))
+        slices = x.reshape(-1, parts, height).transpose(0, 1)  # (parts, n, height)
+        y = torch.bmm(slices, self.blocks).sum(0).view(*lead, out)  # (..., out)
         return y if self.bias is None else y + self.bias
 
 
@@ -71,3 +85,46 @@ def decoding_copy(model: nn.Module, parts: int | None = None) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(module, name, SplitLinear(child, parts))
     return decoder
+
+
+def bf16_decoding_speedup(shape: tuple[int, int] = PROBE_SHAPE, repeats: int = 3) -> float:
+    """float32 time / bfloat16 time of one matrix-vector product as generation runs each: float32
+    from SplitLinear's blocks (one per thread), bfloat16 from nn.Linear; best of `repeats`."""
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG untouched
+    linear = nn.Linear(*shape, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_(generator=generator)
+    x = torch.randn(1, shape[0], generator=generator)
+
+    def best(layer: nn.Module, x: torch.Tensor) -> float:
+        layer(x)  # warm up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        float32 = best(SplitLinear(linear, torch.get_num_threads()), x)
+        return float32 / best(linear.to(torch.bfloat16), x.bfloat16())
+
+
+@cache
+def cpu_decoding_dtype() -> tuple[torch.dtype, str]:
+    """(the weights' dtype for generation with dtype=auto on this CPU, a line saying why). A
+    decoded token is memory-bound matrix-vector products, not the compute-bound matmuls of
+    training that `cpu_auto_dtype` measures: bfloat16 halves the bytes, but pays only where its
+    kernel streams them as fast (on a 2-core AMD EPYC with AVX512-BF16, bf16 matmuls are 2.4x
+    float32's while bf16 decoding is 0.6x), so decoding has a probe of its own, measured once."""
+    return pinned_cpu_dtype() or bf16_verdict(
+        "decoding", measured_once("decoding", bf16_decoding_speedup)
+    )
+
+
+def decoding_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of the weights generation runs in: `auto` on a CPU by `cpu_decoding_dtype`,
+    anything else as `resolve_dtype` decides it for training."""
+    if name == "auto" and device.type == "cpu":
+        return cpu_decoding_dtype()[0]
+    return resolve_dtype(name, device)

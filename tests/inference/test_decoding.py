@@ -1,28 +1,34 @@
-"""The decoding layout: SplitLinear computes nn.Linear's values for any split of the columns; a
+"""The decoding layout: SplitLinear computes nn.Linear's values for any split of the rows; a
 decoding copy gives the model's logits for every option, sharing everything but the Linears; it
-is taken for float32 weights on a CPU (FSDP's shards: tests/parallel/test_wrapping.py)."""
+is taken for float32 weights on a CPU (FSDP's shards: tests/parallel/test_wrapping.py); and on a
+CPU, dtype=auto for generation follows a decoding probe of its own, not training's."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from core import device
+from inference import decoding
 from inference.decoding import SplitLinear, decodes_from_a_copy, decoding_copy
 from model import GPT
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3, 8])  # 3 and 8 leave the last block padded
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])  # 13 inputs: all but 1 pad the last block
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(), (1, 1), (2, 5)], ids=["vector", "one-token", "batch"])
 def test_split_linear_computes_the_linear_layer(parts, bias, lead):
     torch.manual_seed(0)
-    linear = nn.Linear(12, 7, bias=bias)
-    x = torch.randn(*lead, 12)
+    linear = nn.Linear(13, 7, bias=bias)
+    x = torch.randn(*lead, 13)
     split = SplitLinear(linear, parts)
-    assert split.blocks.shape == (parts, 12, -(-7 // parts))
+    assert split.blocks.shape == (parts, -(-13 // parts), 7)  # (parts, in rows per block, out)
     y = split(x)
     assert y.shape == (*lead, 7)
     torch.testing.assert_close(y, linear(x), atol=1e-6, rtol=1e-5)
@@ -33,7 +39,7 @@ def test_a_wrong_block_layout_shows():
     linear = nn.Linear(12, 8)
     split = SplitLinear(linear, 2)
     x = torch.randn(3, 12)
-    split.blocks = split.blocks.flip(0)  # the two halves of the output swapped
+    split.blocks = split.blocks.flip(0)  # each half of the input meets the other's rows
     assert not torch.allclose(split(x), linear(x))
 
 
@@ -85,3 +91,79 @@ def test_generation_decodes_from_a_copy_only_for_float32_weights_on_a_cpu():
     model = GPT(tiny_config())
     assert decodes_from_a_copy(model)
     assert not decodes_from_a_copy(model.to(torch.bfloat16))  # nn.Linear's own path
+
+
+# ----- dtype=auto for generation on a CPU: decided by a decoding probe of its own --------------
+
+
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, list[float]]:
+    """Both probes unpinned, their cache in tmp_path, and stubbed: set the speedup each stub
+    reports; each list then records one entry per probe run."""
+    monkeypatch.delenv(device.AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
+    answers = {"training": 1.0, "decoding": 1.0}
+    runs: dict[str, list[float]] = {"training": [], "decoding": []}
+
+    def stub(name: str):
+        def measure(*args: object, **kwargs: object) -> float:
+            runs[name].append(answers[name])
+            return answers[name]
+
+        return measure
+
+    monkeypatch.setattr(device, "bf16_speedup", stub("training"))
+    monkeypatch.setattr(decoding, "bf16_decoding_speedup", stub("decoding"))
+    device.cpu_auto_dtype.cache_clear()
+    decoding.cpu_decoding_dtype.cache_clear()
+    yield answers, runs
+    device.cpu_auto_dtype.cache_clear()
+    decoding.cpu_decoding_dtype.cache_clear()
+
+
+CPU = torch.device("cpu")
+
+
+def test_generation_stays_float32_where_bf16_decodes_slower_even_if_it_trains_faster(probes):
+    answers, runs = probes
+    answers.update(training=2.4, decoding=0.6)  # an AMD EPYC with AVX512-BF16, as measured
+    assert device.resolve_dtype("auto", CPU) == torch.bfloat16  # training: autocast in bf16
+    assert decoding.decoding_dtype("auto", CPU) == torch.float32
+    assert "0.6x" in decoding.cpu_decoding_dtype()[1]
+    assert runs == {"training": [2.4], "decoding": [0.6]}
+
+
+def test_generation_picks_bfloat16_weights_where_they_decode_clearly_faster(probes):
+    answers, _ = probes
+    answers.update(training=0.24, decoding=1.9)
+    assert decoding.decoding_dtype("auto", CPU) == torch.bfloat16
+    assert (
+        "1.9x" in decoding.cpu_decoding_dtype()[1] and "picked" in decoding.cpu_decoding_dtype()[1]
+    )
+    # an explicit dtype is never second-guessed
+    assert decoding.decoding_dtype("float32", CPU) == torch.float32
+
+
+def test_the_decoding_probe_runs_once_per_machine_beside_the_training_probe(probes, tmp_path):
+    answers, runs = probes
+    answers.update(training=2.4, decoding=0.6)
+    device.resolve_dtype("auto", CPU), decoding.decoding_dtype("auto", CPU)
+    device.cpu_auto_dtype.cache_clear(), decoding.cpu_decoding_dtype.cache_clear()  # a new process
+    answers.update(training=0.1, decoding=5.0)  # probing again would flip both decisions
+    assert device.resolve_dtype("auto", CPU) == torch.bfloat16
+    assert decoding.decoding_dtype("auto", CPU) == torch.float32
+    assert runs == {"training": [2.4], "decoding": [0.6]}
+    cached = json.loads((tmp_path / "cpu_precision.json").read_text())
+    assert sorted(cached.values()) == [0.6, 2.4]
+    assert [key.endswith("| decoding") for key in cached].count(True) == 1
+
+
+def test_the_environment_pin_decides_generation_too(probes, monkeypatch):
+    _, runs = probes
+    monkeypatch.setenv(device.AUTO_DTYPE_ENV, "bfloat16")
+    assert decoding.decoding_dtype("auto", CPU) == torch.bfloat16
+    assert runs == {"training": [], "decoding": []}
+
+
+def test_the_real_decoding_probe_measures_a_positive_ratio():
+    assert decoding.bf16_decoding_speedup((64, 256), repeats=1) > 0
