@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -127,15 +128,34 @@ def precision_cache_file() -> Path:
 
 @cache
 def cpu_auto_dtype() -> tuple[torch.dtype, str]:
-    """(the CPU's dtype for dtype=auto, a line saying why). Measured once per machine, torch
-    version and thread count (`bf16_speedup`, a second or two), then read from a JSON file in
-    the cache directory; CAUSALGPT_CPU_AUTO_DTYPE=float32|bfloat16 skips the probe."""
+    """(the CPU's dtype for dtype=auto, a line saying why): bfloat16 where `bf16_speedup` (a
+    second or two, measured once: `measured_once`) is at least BF16_MIN_SPEEDUP."""
+    return pinned_cpu_dtype() or bf16_verdict("matmuls", measured_once("", bf16_speedup))
+
+
+def pinned_cpu_dtype() -> tuple[torch.dtype, str] | None:
+    """The choice CAUSALGPT_CPU_AUTO_DTYPE=float32|bfloat16 makes for every probe, if it is set."""
     pinned = os.environ.get(AUTO_DTYPE_ENV)
-    if pinned:
-        if pinned not in ("float32", "bfloat16"):
-            raise ConfigError(f"{AUTO_DTYPE_ENV}={pinned!r}: use float32 or bfloat16")
-        return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
+    if not pinned:
+        return None
+    if pinned not in ("float32", "bfloat16"):
+        raise ConfigError(f"{AUTO_DTYPE_ENV}={pinned!r}: use float32 or bfloat16")
+    return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
+
+
+def bf16_verdict(what: str, speedup: float) -> tuple[torch.dtype, str]:
+    """bfloat16 if a probe measured `what` at least BF16_MIN_SPEEDUP times faster in it."""
+    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    verdict = "picked" if dtype == torch.bfloat16 else f"under {BF16_MIN_SPEEDUP}x: float32"
+    return dtype, f"dtype=auto: bfloat16 {what} {speedup:.2g}x float32's on this CPU ({verdict})"
+
+
+def measured_once(what: str, measure: Callable[[], float]) -> float:
+    """`measure()`, a positive ratio, taken once per machine, torch version and thread count,
+    then read from a JSON file in the cache directory (`what` names it there; "" is the
+    training probe's)."""
     key = f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    key += f" | {what}" if what else ""
     file = precision_cache_file()
     try:
         known = json.loads(file.read_text())
@@ -143,18 +163,16 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
         known = {}
     if not isinstance(known, dict):
         known = {}
-    speedup = known.get(key)
-    if not isinstance(speedup, (int, float)) or speedup <= 0:
-        speedup = bf16_speedup()
-        known[key] = speedup
+    value = known.get(key)
+    if not isinstance(value, (int, float)) or value <= 0:
+        value = measure()
+        known[key] = value
         with contextlib.suppress(OSError):  # a read-only home only costs a probe per run
             file.parent.mkdir(parents=True, exist_ok=True)
             tmp = file.with_name(f".{file.name}.{os.getpid()}")
             tmp.write_text(json.dumps(known, indent=2))
             os.replace(tmp, file)
-    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
-    verdict = "picked" if dtype == torch.bfloat16 else f"under {BF16_MIN_SPEEDUP}x: float32"
-    return dtype, f"dtype=auto: bfloat16 matmuls {speedup:.2g}x float32's on this CPU ({verdict})"
+    return value
 
 
 def bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = 3) -> float:
@@ -236,10 +254,17 @@ def cpu_bf16_features() -> list[str]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
+    """The CPU's model name, with its family and model numbers where /proc/cpuinfo has them
+    ("AMD EPYC" alone names CPUs both with and without native bfloat16), for benchmark headers
+    and the precision probes' cache."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
+        fields: dict[str, str] = {}
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+        if "model name" in fields:
+            family, model = fields.get("cpu family"), fields.get("model")
+            numbers = f" (family {family}, model {model})" if family and model else ""
+            return fields["model name"] + numbers
     return platform.processor() or platform.machine()

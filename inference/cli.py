@@ -17,10 +17,11 @@ import torch
 from base.checks import check, is_int
 from base.errors import USER_ERRORS, report_user_error
 from core.checkpoint import find_checkpoint
-from core.device import resolve_device, resolve_dtype
+from core.device import resolve_device
 from core.sources import load_source
 from data.text_files import read_utf8
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
+from inference.decoding import decoding_dtype
 from inference.generate import SamplingParams, stream_tokens
 from inference.text import TextStream, decode_escapes
 from model import GPT
@@ -75,7 +76,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     stop = [decode_escapes(str(s)) for s in (cfg["stop"] or [])]
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     device = resolve_device(str(cfg["device"]))
-    dtype = resolve_dtype(str(cfg["dtype"]), device)
+    dtype = decoding_dtype(str(cfg["dtype"]), device)
 
     source = cfg["checkpoint"]
     if source is None:  # train.py's runs only: -m sweeps live under multirun/
