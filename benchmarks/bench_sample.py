@@ -11,7 +11,8 @@ past the 256-token block, so the window restarts). Rows:
   head at the last position, softmax and torch.multinomial;
 - ours without the KV cache (a forward over the window each step);
 - ours with the KV cache (one token a step, half a window re-processed every 128 tokens),
-  in float32 and, where `dtype=auto` picks it, bfloat16 weights (half the bytes a token);
+  in float32 and, where either precision probe picks it (training's or generation's, see
+  inference/decoding.py), bfloat16 weights (half the bytes a token);
 - the decoding step's matrix-vector products alone (every block's Linear layers, then the head,
   in the layout generation uses), nothing else: how fast this machine's BLAS reads the weights,
   the ceiling of any decoder that calls it. The gap between this row and the cached one is
@@ -19,12 +20,14 @@ past the 256-token block, so the window restarts). Rows:
   and dispatch).
 
 Bandwidth is a 256 MiB tensor copy (bytes read + written per second), the best of 5. The
-machines this runs on are shared, and their speed drifts within minutes, so the rows are
-measured --rounds times, interleaved, each round with its own bandwidth: a row's tok/s is its
-median over the rounds, "vs nanoGPT" the median of the per-round ratios, and the roofline uses
-the highest bandwidth measured (the strictest). A first table times those matrix-vector products
-in each layout (inference/decoding.py): nn.Linear's, an (in, out) copy, and that copy in column
-blocks, one per thread, as generation uses on a CPU. Run from anywhere:
+machines this runs on are shared, and their bandwidth jumps within seconds (a 2-core AMD EPYC:
+between ~34 and ~53 GB/s), so every run of a row is framed by two copies, and its roofline is
+the higher of the two (the stricter). The rows are measured --rounds times, interleaved: a
+row's tok/s and roofline are medians over the rounds, "of roofline" the median of the runs'
+own fractions, and "vs nanoGPT" the median of the per-round ratios. A first table times those
+matrix-vector products in each layout (inference/decoding.py): nn.Linear's, an (in, out) copy,
+and that copy cut into blocks of rows, one per thread, as generation uses on a CPU. Run from
+anywhere:
 ``python benchmarks/bench_sample.py [--new-tokens N] [--rounds N] [--threads N]``.
 """
 
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.device import cpu_auto_dtype, cpu_name  # noqa: E402
 from inference import SamplingParams, generate  # noqa: E402
-from inference.decoding import SplitLinear  # noqa: E402
+from inference.decoding import SplitLinear, cpu_decoding_dtype  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304, dropout=0.0)
@@ -89,7 +92,7 @@ def timed(fn) -> float:
 def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
     """One decoding step's matrix-vector products and nothing else: every block's Linear layers,
     then the head, on a random vector of their input width; from nn.Linear's (out, in) layout
-    (parts None), or as SplitLinear copies in `parts` column blocks (inference/decoding.py)."""
+    (parts None), or as SplitLinear copies in `parts` blocks of rows (inference/decoding.py)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]  # the head is last
     layers = linears if parts is None else [SplitLinear(m, parts) for m in linears]
     w = model.lm_head.weight
@@ -112,7 +115,7 @@ def main() -> None:
         "--dtypes",
         default="auto",
         help="weight dtypes of our rows, e.g. float32,bfloat16; auto: float32, and bfloat16 "
-        "too where dtype=auto's probe picks it on this CPU",
+        "too where either precision probe (training's, generation's) picks it on this CPU",
     )
     args = parser.parse_args()
     if args.threads:
@@ -127,9 +130,10 @@ def main() -> None:
     )
     dtypes = args.dtypes.split(",")
     if args.dtypes == "auto":
-        picked, why = cpu_auto_dtype()
-        print(f"{why}\n")
-        dtypes = ["float32", "bfloat16"] if picked == torch.bfloat16 else ["float32"]
+        training, decoding = cpu_auto_dtype(), cpu_decoding_dtype()
+        print(f"training's probe: {training[1]}\ngeneration's probe: {decoding[1]}\n")
+        bf16 = torch.bfloat16 in (training[0], decoding[0])
+        dtypes = ["float32", "bfloat16"] if bf16 else ["float32"]
 
     gen = torch.Generator().manual_seed(0)
     sample = SamplingParams(temperature=1.0)
@@ -145,7 +149,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     for dtype in dtypes:
         ours = GPT(GPTConfig(**SHAPE)).eval().to(getattr(torch, dtype))
-        # generation's layout: the decoding copy's column blocks for float32 (generate.py)
+        # generation's layout: the decoding copy's row blocks for float32 (generate.py)
         matmuls = decode_matmuls(ours, threads if dtype == "float32" else None)
         rows += [
             (
@@ -169,39 +173,48 @@ def main() -> None:
         ("an (in, out) copy, one block: x @ W^T", 1),
     ]
     if threads > 1:
-        layouts.append((f"an (in, out) copy in {threads} column blocks: torch.bmm", threads))
+        layouts.append((f"an (in, out) copy in {threads} blocks of rows: torch.bmm, sum", threads))
     layouts = [(name, decode_matmuls(nanogpt, parts)) for name, parts in layouts]  # float32
     nanogpt_generate(nanogpt, prompt, 5, gen)  # warm-up
     for _, m, _ in rows[1:]:
         generate(m, prompt, 5, sample, gen)
-    bandwidths, seconds, layout_seconds = [], [[] for _ in rows], [[] for _ in layouts]
+    # per round and row: seconds, and the copy bandwidth just before and after the row ran
+    seconds = [[] for _ in rows]
+    bandwidths = [[] for _ in rows]
+    layout_seconds = [[] for _ in layouts]
     for r in range(args.rounds):
-        bandwidths.append(bandwidth())
-        for times, (_, _, run) in zip(seconds, rows, strict=True):
+        for times, bws, (_, _, run) in zip(seconds, bandwidths, rows, strict=True):
+            before = bandwidth()
             times.append(run())
+            bws.append(max(before, bandwidth()))
         tok_s = " | ".join(f"{n / times[-1]:,.1f}" for times in seconds)
-        print(f"round {r + 1}: copy bandwidth {bandwidths[-1] / 1e9:.1f} GB/s; tok/s {tok_s}")
+        bws = " | ".join(f"{b[-1] / 1e9:.1f}" for b in bandwidths)
+        print(f"round {r + 1}: tok/s {tok_s}; copy GB/s {bws}")
         for _ in range(10):
             for times, (_, step) in zip(layout_seconds, layouts, strict=True):
                 times.append(timed(step))
-    bw = max(bandwidths)
     print("\n| a decoding step's matrix-vector products (float32), layout | ms | GB/s |")
     print("|---|---:|---:|")
     for (name, _), times in zip(layouts, layout_seconds, strict=True):
         median = statistics.median(times)
         print(f"| {name} | {median * 1e3:.2f} | {weight_bytes(nanogpt) / median / 1e9:.1f} |")
-    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s (the best round), the roofline's\n")
+    every = [b for bws in bandwidths for b in bws]
+    print(
+        f"\ncopy bandwidth {min(every) / 1e9:.1f}-{max(every) / 1e9:.1f} GB/s over the run; "
+        "each run's roofline is the higher of the copies just before and after it\n"
+    )
     header = "generation | weights | MB read/token | roofline tok/s | tok/s | of roofline"
     print(f"| {header} | vs nanoGPT |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for (name, m, _), times in zip(rows, seconds, strict=True):
+    for (name, m, _), times, bws in zip(rows, seconds, bandwidths, strict=True):
         mb = weight_bytes(m)
         tok_s = statistics.median(n / t for t in times)
+        roof = statistics.median(bw / mb for bw in bws)
+        of_roof = statistics.median(n / t / (bw / mb) for t, bw in zip(times, bws, strict=True))
         vs = statistics.median(base / t for base, t in zip(seconds[0], times, strict=True))
-        roof = bw / mb
         print(
-            f"| {name} | {m.lm_head.weight.dtype} | {mb / 1e6:.0f} | {roof:,.0f} | {tok_s:,.1f} | "
-            f"{tok_s / roof:.0%} | {vs:.1f}x |"
+            f"| {name} | {str(m.lm_head.weight.dtype).removeprefix('torch.')} | {mb / 1e6:.0f} | "
+            f"{roof:,.0f} | {tok_s:,.1f} | {of_roof:.0%} | {vs:.1f}x |"
         )
 
 
