@@ -21,7 +21,7 @@ past the 256-token block, so the window restarts). Rows:
 
 Bandwidth is a 256 MiB tensor copy (bytes read + written per second), the best of 5. The
 machines this runs on are shared, and their bandwidth jumps within seconds (a 2-core AMD EPYC:
-between ~34 and ~53 GB/s), so every run of a row is framed by two copies, and its roofline is
+between ~30 and ~58 GB/s), so every run of a row is framed by two copies, and its roofline is
 the higher of the two (the stricter). The rows are measured --rounds times, interleaved: a
 row's tok/s and roofline are medians over the rounds, "of roofline" the median of the runs'
 own fractions, and "vs nanoGPT" the median of the per-round ratios. A first table times those

@@ -6,10 +6,10 @@ from nn.Linear's (out, in) layout at a fraction of the bandwidth: on a 2-core AM
 for GPT-2's head against ~24 GB/s from an (in, out) copy. Cut that copy into one block of rows
 per core and `torch.bmm` runs the blocks side by side, each core reading its own part of the
 matrix against its slice of the input vector; the partial sums then add up to the product
-(~40-48 GB/s for the head on that CPU, more than a block of columns per core gave: ~40 GB/s,
-and far more for the blocks' small matrices). benchmarks/bench_sample.py prints these figures
-on any machine. `decoding_copy` gives generation a copy of the model whose Linear layers are
-`SplitLinear`s: the same values in that layout, the model's code unchanged.
+(~40-48 GB/s for the head on that CPU; against a block of columns per core, the head took 1.52
+against 1.98 ms and the blocks' small matrices 15-20% less time). benchmarks/bench_sample.py
+prints these figures on any machine. `decoding_copy` gives generation a copy of the model whose
+Linear layers are `SplitLinear`s: the same values in that layout, the model's code unchanged.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def cpu_decoding_dtype() -> tuple[torch.dtype, str]:
     decoded token is memory-bound matrix-vector products, not the compute-bound matmuls of
     training that `cpu_auto_dtype` measures: bfloat16 halves the bytes, but pays only where its
     kernel streams them as fast (on a 2-core AMD EPYC with AVX512-BF16, bf16 matmuls are 2.4x
-    float32's while bf16 decoding is 0.6x), so decoding has a probe of its own, measured once."""
+    float32's, this probe 0.8-1.1x, a whole bf16 token 0.6-0.7x), so decoding has a probe of
+    its own, measured once."""
     return pinned_cpu_dtype() or bf16_verdict(
         "decoding", measured_once("decoding", bf16_decoding_speedup)
     )
