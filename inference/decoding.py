@@ -3,13 +3,14 @@
 Decoding one token at batch 1 multiplies one vector by every weight matrix, so its speed is how
 fast the weights stream from memory. MKL, torch's CPU BLAS, runs such a product on one core, and
 from nn.Linear's (out, in) layout at a fraction of the bandwidth: on a 2-core AMD EPYC ~10 GB/s
-for GPT-2's head against ~24 GB/s from an (in, out) copy. Cut that copy into one block of rows
-per core and `torch.bmm` runs the blocks side by side, each core reading its own part of the
-matrix against its slice of the input vector; the partial sums then add up to the product
-(~40-48 GB/s for the head on that CPU; against a block of columns per core, the head took 1.52
-against 1.98 ms and the blocks' small matrices 15-20% less time). benchmarks/bench_sample.py
-prints these figures on any machine. `decoding_copy` gives generation a copy of the model whose
-Linear layers are `SplitLinear`s: the same values in that layout, the model's code unchanged.
+for a 384 x 50,304 head (GPT-2's padded vocabulary) against ~24 GB/s from an (in, out) copy.
+Cut that copy into one block of rows per core and `torch.bmm` runs the blocks side by side,
+each core reading its own part of the matrix against its slice of the input vector; the partial
+sums then add up to the product (~40-48 GB/s for that head on that CPU; against a block of
+columns per core, the head took 1.52 against 1.98 ms and the blocks' small matrices 15-20% less
+time). benchmarks/bench_sample.py prints these figures on any machine. `decoding_copy` gives
+generation a copy of the model whose Linear layers are `SplitLinear`s: the same values in that
+layout, the model's code unchanged.
 """
 
 from __future__ import annotations
