@@ -181,17 +181,19 @@ def bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = 3) ->
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
     a = torch.randn(m, k, generator=generator)
     b = torch.randn(k, n, generator=generator)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    return fastest(lambda: a @ b, repeats) / fastest(lambda: a16 @ b16, repeats)
 
-    def best(x: torch.Tensor, y: torch.Tensor) -> float:
-        x @ y  # warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - start)
-        return min(times)
 
-    return best(a, b) / best(a.bfloat16(), b.bfloat16())
+def fastest(run: Callable[[], object], repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `run`, after one untimed warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def configure_backends(device: torch.device) -> None:

@@ -16,7 +16,6 @@ layout, the model's code unchanged.
 from __future__ import annotations
 
 import copy
-import time
 from functools import cache
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.device import bf16_verdict, measured_once, pinned_cpu_dtype, resolve_dtype
+from core.device import bf16_verdict, fastest, measured_once, pinned_cpu_dtype, resolve_dtype
 
 # The decoding probe's matrix, (in, out): 100 MB in float32, larger than any CPU's caches, so
 # that it streams from memory as a token's weights do.
@@ -96,19 +95,10 @@ def bf16_decoding_speedup(shape: tuple[int, int] = PROBE_SHAPE, repeats: int = 3
     with torch.no_grad():
         linear.weight.normal_(generator=generator)
     x = torch.randn(1, shape[0], generator=generator)
-
-    def best(layer: nn.Module, x: torch.Tensor) -> float:
-        layer(x)  # warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            layer(x)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     with torch.inference_mode():
-        float32 = best(SplitLinear(linear, torch.get_num_threads()), x)
-        return float32 / best(linear.to(torch.bfloat16), x.bfloat16())
+        split, x16 = SplitLinear(linear, torch.get_num_threads()), x.bfloat16()
+        linear16 = linear.to(torch.bfloat16)
+        return fastest(lambda: split(x), repeats) / fastest(lambda: linear16(x16), repeats)
 
 
 @cache

@@ -6,6 +6,7 @@ CPU, dtype=auto for generation follows a decoding probe of its own, not training
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_generation_decodes_from_a_copy_only_for_float32_weights_on_a_cpu():
 
 
 @pytest.fixture
-def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, list[float]]:
+def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[dict, dict]]:
     """Both probes unpinned, their cache in tmp_path, and stubbed: set the speedup each stub
     reports; each list then records one entry per probe run."""
     monkeypatch.delenv(device.AUTO_DTYPE_ENV, raising=False)
@@ -137,9 +138,8 @@ def test_generation_picks_bfloat16_weights_where_they_decode_clearly_faster(prob
     answers, _ = probes
     answers.update(training=0.24, decoding=1.9)
     assert decoding.decoding_dtype("auto", CPU) == torch.bfloat16
-    assert (
-        "1.9x" in decoding.cpu_decoding_dtype()[1] and "picked" in decoding.cpu_decoding_dtype()[1]
-    )
+    why = decoding.cpu_decoding_dtype()[1]
+    assert "1.9x" in why and "picked" in why
     # an explicit dtype is never second-guessed
     assert decoding.decoding_dtype("float32", CPU) == torch.float32
 
