@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from base.entry import hydra_main
 from base.errors import ConfigError, user_errors
-from core.device import resolve_device
-from core.entry import hydra_main
-from core.sources import load_source
+from checkpoints.sources import load_source
+from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
 from model.causality import check_causality, shrunk_config
 

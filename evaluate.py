@@ -4,8 +4,8 @@ import json
 
 from omegaconf import DictConfig, OmegaConf
 
+from base.entry import hydra_main
 from base.errors import user_errors
-from core.entry import hydra_main
 from trainer.evaluation import evaluate_checkpoint
 
 

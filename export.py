@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import user_errors
-from core.export import export_checkpoint
+from checkpoints.export import export_checkpoint
 
 
 @hydra.main(config_path="configs", config_name="export", version_base=None)

@@ -4,7 +4,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from core.entry import hydra_main
+from base.entry import hydra_main
 from inference.cli import main
 
 

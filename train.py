@@ -5,13 +5,13 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from base.entry import hydra_main
 from base.errors import user_errors
-from core.checkpoint import CheckpointError
-from core.entry import hydra_main
-from core.run_lock import acquire_run_lock
+from checkpoints.store import CheckpointError
 from trainer.cli import run_config, write_run_files
 from trainer.distributed import DistInfo
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
+from trainer.run_lock import acquire_run_lock
 
 
 @hydra_main("train")

@@ -1,7 +1,7 @@
 """The user-error boundary: a mistake the user can fix is one `error:` line and exit code 2.
 
 Every error the project raises for bad input derives from ValueError (ConfigError here,
-DataError in data/, CheckpointError in core/checkpoint.py), so one handler covers them all.
+DataError in data/, CheckpointError in checkpoints/store.py), so one handler covers them all.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def machine(threads: int) -> str:
 
     if threads:
         torch.set_num_threads(threads)
-    from core.device import cpu_name
+    from hardware.device import cpu_name
 
     cpu = cpu_name()
     return (

@@ -13,7 +13,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.device import cpu_name  # noqa: E402
+from hardware.device import cpu_name  # noqa: E402
 from model import load_preset, preset_names  # noqa: E402
 from model.causality import guard_report  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Run from anywhere on a CUDA machine: ``python benchmarks/bench_gpu.py`` (GPT-2 124M, bf16
 autocast, batch 16 x 1024, fused AdamW, torch.compile on; ``--help`` for the options). Prints a
-markdown table: tokens/s, MFU against core/device.py's datasheet peak, and peak GPU memory per
+markdown table: tokens/s, MFU against hardware/device.py's datasheet peak, and peak GPU memory per
 cell. ``--device cpu --preset nano --batch-size 2 --block-size 64 --no-compile`` runs the same
 cells on a CPU (a smoke test of the script, not a measurement).
 
@@ -45,7 +45,7 @@ SKIP = ("cells", "cell", "compile")  # not passed on as --key=value
 def run_cell(name: str, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from core.device import Precision, configure_backends, peak_flops
+    from hardware.device import Precision, configure_backends, peak_flops
     from model import GPT, GPTConfig, load_preset
     from trainer.config import OptimSettings
     from trainer.optim import build_optimizer
@@ -116,7 +116,7 @@ def main() -> None:
         return
     import torch
 
-    from core.device import cpu_name
+    from hardware.device import cpu_name
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     print(

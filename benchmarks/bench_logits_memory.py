@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.device import cpu_name  # noqa: E402 - after the path insert
+from hardware.device import cpu_name  # noqa: E402 - after the path insert
 
 CELLS = ("train, logits kept", "train, no logits", "eval, full", "eval, chunked")
 

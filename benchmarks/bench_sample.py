@@ -46,7 +46,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.device import cpu_auto_dtype, cpu_name  # noqa: E402
+from hardware.device import cpu_auto_dtype, cpu_name  # noqa: E402
 from inference import SamplingParams, generate  # noqa: E402
 from inference.decoding import SplitLinear, cpu_decoding_dtype  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402

@@ -14,7 +14,7 @@ printable characters tokenized with ``bytes`` (prepared once, by the parent), wi
 clipping, optimizer step) for --warmup steps, untimed (torch.compile compiles in the first), and
 times each of --steps more (CUDA: synchronized). A cell's time is the median step; tokens/s is
 batch_size * block_size / that time. MFU is tokens/s * model.flops_per_token / the peak FLOP/s
-of core/device.py: the datasheet figure of a known GPU, or on a CPU its dense-matmul rate in
+of hardware/device.py: the datasheet figure of a known GPU, or on a CPU its dense-matmul rate in
 that dtype measured once by this process. The ratio column is each cell's tokens/s over its
 preset's first cell (the baseline, marked).
 """
@@ -117,11 +117,11 @@ def child(cell: dict, args: argparse.Namespace, data_dir: Path) -> dict:
 def machine(args: argparse.Namespace) -> str:
     import torch
 
-    from core.device import resolve_device
+    from hardware.device import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from core.device import cpu_auto_dtype, cpu_bf16_features, cpu_name
+    from hardware.device import cpu_auto_dtype, cpu_bf16_features, cpu_name
 
     features = ", ".join(cpu_bf16_features()) or "none: bfloat16 is emulated"
     cpu = f"{cpu_name()} (bf16 features: {features}; {cpu_auto_dtype()[1]})"
@@ -135,8 +135,8 @@ def machine(args: argparse.Namespace) -> str:
 
 
 def peak(dtype: str, args: argparse.Namespace) -> tuple[float | None, str]:
-    """core/device.py's peak FLOP/s for this device and autocast dtype."""
-    from core.device import peak_flops, resolve_device, resolve_precision
+    """hardware/device.py's peak FLOP/s for this device and autocast dtype."""
+    from hardware.device import peak_flops, resolve_device, resolve_precision
 
     return peak_flops(resolve_precision(resolve_device(args.device), dtype))
 
@@ -158,7 +158,7 @@ def estimated_bytes(preset: str, args: argparse.Namespace, impl: str, dtype: str
 
 
 def available_bytes(args: argparse.Namespace) -> float:
-    from core.device import resolve_device
+    from hardware.device import resolve_device
     from trainer.memory import available_memory
 
     budget, _ = available_memory(resolve_device(args.device))

@@ -11,7 +11,7 @@ writes `fault: SIGKILL at <point> (<spec>)` to stderr, so that the test knows wh
 Unset (always, outside tests), a fault point does nothing.
 
 The points (each writer's docstring says what is on disk at each):
-    checkpoint.partial   core/checkpoint.py: some of a checkpoint's files written, no manifest
+    checkpoint.partial   checkpoints/store.py: some of a checkpoint's files written, no manifest
     checkpoint.complete  every file and the manifest written and fsynced, not yet in place
     checkpoint.swap      the previous checkpoint moved aside, the new one not yet renamed in
     checkpoint.replaced  the new checkpoint in place, the previous one not yet deleted

@@ -16,10 +16,10 @@ import torch
 
 from base.checks import check, is_int
 from base.errors import USER_ERRORS, report_user_error
-from core.checkpoint import find_checkpoint
-from core.device import resolve_device
-from core.sources import load_source
+from checkpoints.sources import load_source
+from checkpoints.store import find_checkpoint
 from data.text_files import read_utf8
+from hardware.device import resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.decoding import decoding_dtype
 from inference.generate import SamplingParams, stream_tokens

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.device import bf16_verdict, fastest, measured_once, pinned_cpu_dtype, resolve_dtype
+from hardware.device import bf16_verdict, fastest, measured_once, pinned_cpu_dtype, resolve_dtype
 
 # The decoding probe's matrix, (in, out): 100 MB in float32, larger than any CPU's caches, so
 # that it streams from memory as a token's weights do.

@@ -4,7 +4,7 @@ x = wte[idx] + wpe[0..T)                     # (B, T, C)
 for each block:  x = x + Attn(Norm(x));  x = x + MLP(Norm(x))
 logits = Norm(x) @ W_head^T                  # (B, T, vocab), W_head = wte unless untied
 
-The defaults are GPT-2 (model/hf.py loads its weights); each option of GPTConfig changes one line:
+The defaults are GPT-2 (checkpoints/hf.py imports its weights); each option changes one line:
 
   pos_embedding  learned: + wpe[0..T) as above | rope: no wpe; Attn rotates each head's q and k
                  by their positions (model/rope.py)

@@ -8,8 +8,9 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
-# dtype=auto on a CPU follows a per-machine probe (core/device.py); the suite's figures (bit-exact
-# resume, tolerances) are float32's on every CPU. tests/core/test_device.py tests the probe itself.
+# dtype=auto on a CPU follows a per-machine probe (hardware/device.py); the suite's figures
+# (bit-exact resume, tolerances) are float32's on every CPU. tests/hardware/test_device.py tests
+# the probe itself.
 os.environ["CAUSALGPT_CPU_AUTO_DTYPE"] = "float32"
 
 import pytest  # noqa: E402

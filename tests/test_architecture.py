@@ -14,10 +14,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
-    "base": 0,  # errors and config checks: imports nothing of ours
+    "base": 0,  # errors, config checks, the Hydra entry: imports nothing of ours
     "model": 1,
     "data": 1,
-    "core": 2,  # checkpoints, devices and precision
+    "hardware": 1,  # devices, precision, probes
+    "checkpoints": 2,  # our checkpoints, sources, Hugging Face interchange
     "inference": 3,
     "trainer": 4,
     "entry": 5,  # train.py, sample.py, evaluate.py, benchmarks/
@@ -104,8 +105,8 @@ def test_no_loop_between_packages():
         ("model/gpt.py", "from trainer.loop import Trainer"),  # far up
         ("inference/generate.py", "import trainer.optim"),  # one floor up
         ("data/pipeline.py", "def f():\n    from model import GPT\n"),  # same floor, lazily
-        ("core/checkpoint.py", "from inference import generate"),
-        ("base/errors.py", "from core.device import resolve_device"),
+        ("checkpoints/store.py", "from inference import generate"),
+        ("base/errors.py", "from hardware.device import resolve_device"),
     ],
 )
 def test_an_upward_import_is_reported(path, source):
@@ -118,18 +119,18 @@ def test_downward_and_own_package_imports_are_allowed():
     modules = {
         "train.py": "from trainer.loop import Trainer\nfrom base.errors import user_errors",
         "trainer/loop.py": "from inference.generate import generate\nfrom trainer import optim",
-        "core/checkpoint.py": "from model import GPT\nfrom data.tokenizer import TOKENIZER_FILE",
+        "checkpoints/store.py": "from model import GPT\nfrom data.tokenizer import TOKENIZER_FILE",
         "model/gpt.py": "import torch\nfrom base.checks import check\nfrom model.rope import x",
     }
     assert upward_imports(modules) == []
 
 
 def test_a_loop_between_packages_is_reported():
-    """Negative control: inference -> trainer -> inference, as before core/ existed."""
+    """Negative control: inference -> trainer -> inference, as before checkpoints/ existed."""
     modules = {
         "inference/cli.py": "from trainer.checkpoint import load_checkpoint",
         "trainer/loop.py": "from inference.generate import generate",
-        "core/device.py": "from model import GPT",
+        "hardware/device.py": "from model import GPT",
     }
     assert package_cycle(modules) == ["inference", "trainer", "inference"]
     assert package_cycle({k: v for k, v in modules.items() if k != "inference/cli.py"}) == []

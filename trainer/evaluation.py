@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from base.checks import check, is_int
-from core.checkpoint import find_checkpoint
-from core.device import Precision, resolve_device, resolve_precision
-from core.sources import load_source
+from checkpoints.sources import load_source
+from checkpoints.store import find_checkpoint
 from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
 from data.text_files import read_utf8
+from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
 from trainer.distributed import all_reduce_sum, in_lockstep
 

@@ -1,4 +1,4 @@
-"""train.init_from: start a run from a model source's weights (core/sources.py).
+"""train.init_from: start a run from a model source's weights (checkpoints/sources.py).
 
 The source fixes the architecture; a run may change only what does not change the weights'
 meaning: dropout, the attention implementation, and a shorter context (block_size, the position
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from base.errors import ConfigError
-from core.sources import load_source
+from checkpoints.sources import load_source
 from data import PreparedData
 from model import GPT, GPTConfig
 

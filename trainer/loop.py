@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError
-from core.checkpoint import (
+from checkpoints.store import (
     MODEL_FILE,
     STEP_PREFIX,
     Checkpoint,
@@ -37,10 +37,10 @@ from core.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from core.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from data import PreparedData, prepare_data
 from data.prefetch import PrefetchingSampler
 from data.sampler import BatchSampler
+from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
 from trainer.config import RunConfig

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from base.errors import ConfigError
-from core.device import Precision
+from hardware.device import Precision
 from model import GPT, GPTConfig
 from trainer.config import RunConfig
 from trainer.console import format_bytes

@@ -11,7 +11,7 @@ fewer steps than AdamW (the modded-nanogpt speedruns, Moonlight).
 How. Momentum with Nesterov, then U V^T approximated without an SVD by a quintic Newton-Schulz
 iteration X <- a X + b (X X^T) X + c (X X^T)^2 X on X = M / ||M||_F, 5 steps, in bfloat16 on
 GPUs and on CPUs whose dtype=auto probe picked it (float32 elsewhere: where bfloat16 is emulated
-its matmuls are 7-30x slower than float32's; core/device.py),
+its matmuls are 7-30x slower than float32's; hardware/device.py),
 (a, b, c) = (3.4445, -4.7750, 2.0315). The coefficients are tuned for speed, not for exact
 convergence: singular values land in roughly [0.68, 1.2] rather than at 1, which trains as well.
 Near-zero ones (below ~1e-3 of ||M||_F) are only multiplied by a^5 ~ 485 and stay small: the
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from core.device import fast_matmul_dtype
+from hardware.device import fast_matmul_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 

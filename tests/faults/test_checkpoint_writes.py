@@ -17,8 +17,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-import core.checkpoint as checkpoint
-from core.checkpoint import CheckpointError, check_writable, load_checkpoint, save_checkpoint
+import checkpoints.store as checkpoint
+from checkpoints.store import CheckpointError, check_writable, load_checkpoint, save_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer, run_script
@@ -162,7 +162,7 @@ def test_train_py_in_an_unwritable_run_dir_is_one_error_line(tmp_path, corpus):
 FULL_DISK = """
 import runpy, sys
 sys.path.insert(0, sys.argv[1])
-import core.checkpoint as checkpoint
+import checkpoints.store as checkpoint
 from safetensors import SafetensorError
 
 real, saves = checkpoint.save_file, []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
+from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
 from data.faults import ENV as FAULT_ENV
 from tests.trainer.helpers import HANG_SECONDS, TINY
 
@@ -35,7 +35,7 @@ pytestmark = [
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 SEED = 20240917
-# The stages of core.checkpoint's write (data/faults.py says what each leaves on disk), each hit
+# The stages of checkpoints.store's write (data/faults.py says what each leaves on disk), each hit
 # at its 1st, 2nd and 3rd arrival in a process: a `last` or a `best` write, first or not.
 STAGES = ("partial", "complete", "swap", "replaced")
 FAULTS = [f"checkpoint.{stage}:{n}" for n in (1, 2, 3) for stage in STAGES]

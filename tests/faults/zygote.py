@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402, F401 - the first optimizer step imports it: a second or more
 from safetensors.torch import save_file  # noqa: E402
 
-import core.checkpoint  # noqa: E402
+import checkpoints.store  # noqa: E402
 import trainer.cli  # noqa: E402, F401
 import trainer.loop  # noqa: E402
 from data.faults import fault_point  # noqa: E402
@@ -49,11 +49,11 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=None) -> None:
-    """The negative control's checkpoint writer, in place of core.checkpoint's: the same
+    """The negative control's checkpoint writer, in place of checkpoints.store's: the same
     files (fsynced, manifest last) and the same fault point after the first file
     (checkpoint.partial), but written straight into `path` after deleting the checkpoint there,
     with no temporary directory and no rename. A kill mid-write tears it."""
-    ckpt = core.checkpoint
+    ckpt = checkpoints.store
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     save_file(ckpt.model_state(model), str(path / ckpt.MODEL_FILE))
@@ -94,7 +94,7 @@ def child(server: int, request: dict) -> None:
         trainer.loop.peak_flops = lambda precision: (None, "nothing (MFU off in this test)")
         os.environ.update(request.get("env", {}))
         if request.get("writer") == "in_place":
-            core.checkpoint._write_checkpoint = write_in_place
+            checkpoints.store._write_checkpoint = write_in_place
         sys.argv = [TRAIN, *request["run"]]
         try:
             runpy.run_path(TRAIN, run_name="__main__")

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from core.checkpoint import save_checkpoint
+from checkpoints.store import save_checkpoint
 from model import GPT, GPTConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.checkpoint import (
+from checkpoints.store import (
     MANIFEST_FILE,
     CheckpointError,
     _sha256,

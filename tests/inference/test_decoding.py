@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from core import device
+from hardware import device
 from inference import decoding
 from inference.decoding import SplitLinear, decodes_from_a_copy, decoding_copy
 from model import GPT

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import check_causality
-from core.checkpoint import save_checkpoint
+from checkpoints.store import save_checkpoint
 from model import GPT, preset_names
 from tests.conftest import tiny_config
 from tests.trainer.helpers import ROOT, run_script

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from checkpoints.hf import GPT2_ARCHITECTURE
 from model import GPT, GPTConfig, load_preset, preset_names
 from model.config import MAX_MLP_RATIO, MAX_SIZES
-from model.hf import GPT2_ARCHITECTURE
 from tests.conftest import tiny_config
 
 

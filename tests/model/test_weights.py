@@ -29,7 +29,7 @@ def write_raw(path, header: dict, data_bytes: int) -> None:
 
 
 def stored(model: GPT) -> dict[str, torch.Tensor]:
-    """The tensors as our checkpoints store them (core.checkpoint.model_state)."""
+    """The tensors as our checkpoints store them (checkpoints.store.model_state)."""
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         sd.pop("lm_head.weight")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint
+from checkpoints.store import load_checkpoint
 from tests.parallel.worker import PROBE
 from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.device import Precision
+from hardware.device import Precision
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import run_script

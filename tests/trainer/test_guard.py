@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import trainer.loop
-from core.checkpoint import load_checkpoint
+from checkpoints.store import load_checkpoint
 from model.attention import CausalSelfAttention
 from tests.trainer.helpers import ROOT, TINY, compose_run, make_trainer, run_script
 from trainer.guard import causality_guard

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 import trainer.loop as trainer_loop
 from base.errors import ConfigError
-from core.checkpoint import load_checkpoint
-from core.export import export_checkpoint
-from core.sources import load_source
+from checkpoints.export import export_checkpoint
+from checkpoints.sources import load_source
+from checkpoints.store import load_checkpoint
 from data.tokenizer import get_tokenizer
 from inference.cli import run as sample
 from tests.trainer.helpers import CONFIGS, TINY, compose_run, run_script

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from base.errors import ConfigError
-from core.checkpoint import CheckpointError, load_checkpoint
+from checkpoints.store import CheckpointError, load_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import HANG_SECONDS, compose_run, make_trainer
@@ -136,7 +136,7 @@ def test_resume_knows_a_best_checkpoint_newer_than_last(tmp_path, corpus):
 
 def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, corpus, monkeypatch):
     trainer = make_trainer(tmp_path, corpus)
-    import core.checkpoint as checkpoint
+    import checkpoints.store as checkpoint
 
     real_save = checkpoint.torch.save
     calls = {"n": 0}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from base.errors import ConfigError
-from core.device import Precision
+from hardware.device import Precision
 from model import GPTConfig, load_preset
 from tests.trainer.helpers import ROOT, TINY, compose_run
 from trainer import memory

@@ -1,4 +1,4 @@
-"""`python train.py` and the run-directory lock (core/run_lock.py), as a user meets it."""
+"""`python train.py` and the run-directory lock (trainer/run_lock.py), as a user meets it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 
-from core.checkpoint import load_checkpoint
-from tests.core.lock_holder import start_holder
+from checkpoints.store import load_checkpoint
 from tests.trainer.helpers import ROOT, TINY, run_script
+from tests.trainer.lock_holder import start_holder
 
 
 def test_a_second_train_on_a_held_run_dir_is_refused_touching_nothing(tmp_path, corpus):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from core.checkpoint import load_checkpoint
+from checkpoints.store import load_checkpoint
 from tests.trainer.helpers import make_trainer
 
 EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG state counts too

@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from core.checkpoint import load_checkpoint
+from checkpoints.store import load_checkpoint
 from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import ROOT, TINY, run_script
 

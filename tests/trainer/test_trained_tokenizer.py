@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from core.checkpoint import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
+from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from data import DataError
 from data.bpe import BPE
 from data.tokenizer import TOKENIZER_FILE

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from core.checkpoint import (
+from checkpoints.store import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,

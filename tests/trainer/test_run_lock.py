@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from core.run_lock import (
+from tests.trainer.lock_holder import start_holder
+from trainer.run_lock import (
     LOCK_FILE,
     STALE_AFTER_S,
     RunDirLocked,
     acquire_run_lock,
     stale_reason,
 )
-from tests.core.lock_holder import start_holder
 
 
 def owner_of(run_dir: Path) -> dict:
@@ -95,7 +95,7 @@ def test_release_leaves_a_lock_that_another_process_took_over(tmp_path):
 
 
 def _this_process() -> dict:
-    from core.run_lock import _owner_record
+    from trainer.run_lock import _owner_record
 
     record = _owner_record()
     assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.device as device_module
+import hardware.device as device_module
 from base.errors import ConfigError
-from core.device import Precision, peak_flops, resolve_dtype, resolve_precision
+from hardware.device import Precision, peak_flops, resolve_dtype, resolve_precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -77,7 +77,7 @@ def test_other_devices_give_no_mfu():
 def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
     """Autocast keeps part of the model in float32, and a CPU without native bfloat16 emulates
     it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU."""
-    import core.device as device
+    import hardware.device as device
 
     rates = {torch.float32: 1e11, BF16: 1e9}
     monkeypatch.setattr(device, "measured_cpu_matmul_flops", lambda dtype, n=1024: rates[dtype])

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import sys
-from core.run_lock import acquire_run_lock
+from trainer.run_lock import acquire_run_lock
 lock = acquire_run_lock(sys.argv[1])
 print(lock.owner["pid"], flush=True)
 sys.stdin.read()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from base.errors import ConfigError
-from core.checkpoint import save_checkpoint
-from core.export import export_checkpoint
+from checkpoints.export import export_checkpoint
+from checkpoints.store import save_checkpoint
 from data.tokenizer import get_tokenizer
 from model import GPT
 from tests.conftest import tiny_config

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from core.checkpoint import MANIFEST_FILE, prune_step_checkpoints, verify_checkpoint
-from tests.core.test_checkpoint import save
+from checkpoints.store import MANIFEST_FILE, prune_step_checkpoints, verify_checkpoint
+from tests.checkpoints.test_checkpoint import save
 
 
 def written(ckpt_dir, *steps):

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from base.errors import ConfigError
-from core.checkpoint import Checkpoint, find_checkpoint
-from core.sources import load_source
+from checkpoints.sources import load_source
+from checkpoints.store import Checkpoint, find_checkpoint
 from data.tokenizer import GPT2_N_VOCAB, gpt2_bpe_files
 from model import GPT, GPTConfig
 

@@ -6,7 +6,7 @@ export.py, so that every place accepting a model accepts the same three kinds of
    alone);
 2. a local directory holding a Hugging Face GPT-2 model (config.json + model.safetensors or
    pytorch_model.bin, the latter read with weights_only=True: no code runs);
-3. one of our checkpoint or run directories (core/checkpoint.py).
+3. one of our checkpoint or run directories (checkpoints/store.py).
 
 Each loads as a `Checkpoint`: the model, its tokenizer's name and metadata. A Hugging Face model
 has no run config of ours; its stand-in has one data section, `HF_DATA` (the Shakespeare plays,
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError
-from core.checkpoint import MANIFEST_FILE, Checkpoint, CheckpointError, load_checkpoint
-from core.checkpoint import resolve_checkpoint as resolve_our_checkpoint
-from model.hf import load_hf_gpt2
+from checkpoints.hf import load_hf_gpt2
+from checkpoints.store import MANIFEST_FILE, Checkpoint, CheckpointError, load_checkpoint
+from checkpoints.store import resolve_checkpoint as resolve_our_checkpoint
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

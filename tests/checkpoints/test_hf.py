@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from model import hf
-from model.hf import load_hf_gpt2
+from checkpoints import hf
+from checkpoints.hf import load_hf_gpt2
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
 

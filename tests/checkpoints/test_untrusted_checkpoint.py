@@ -20,8 +20,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import core.checkpoint as checkpoint_module
-from core.checkpoint import (
+import checkpoints.store as checkpoint_module
+from checkpoints.store import (
     CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_FILE,

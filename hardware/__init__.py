@@ -1,0 +1,1 @@
+"""The machine: devices, precision, probes and peak FLOP/s."""
