@@ -83,7 +83,7 @@ def iter_eval_batches(
     tokens: np.ndarray,
     block_size: int,
     batch_size: int,
-    max_batches: int | None = None,
+    max_windows: int | None = None,
     rank: int = 0,
     world_size: int = 1,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -95,15 +95,15 @@ def iter_eval_batches(
     come in batches of ``batch_size``; the final partial window, if any, is a last (1, L) batch.
     Windows are dealt round-robin to ranks; sum ``loss * y.numel()`` over batches and ranks.
 
-    With ``max_batches``, only a fixed, evenly spaced subset of full windows is used (the same
-    every call), for cheap periodic evals.
+    With ``max_windows`` (per rank), only a fixed, evenly spaced subset of full windows is used
+    (the same every call), for cheap periodic evals.
     """
     _check_length(tokens, block_size)
     n_full = (len(tokens) - 1) // block_size
     starts = np.arange(n_full) * block_size
     tail = len(tokens) - 1 - n_full * block_size
-    if max_batches is not None:
-        wanted = min(n_full, max_batches * batch_size * world_size)
+    if max_windows is not None:
+        wanted = min(n_full, max_windows * world_size)
         starts = starts[np.linspace(0, n_full - 1, wanted).round().astype(np.int64)]
         tail = 0
     mine = starts[rank::world_size]

@@ -130,11 +130,13 @@ class TokenContext:
                 self.cache.reset()
         with self.grad_free():
             if self.cache is None:
-                logits, _ = self.decoder(self.seq[:, self.start :], last_only=True)
+                x = self.decoder.hidden_states(self.seq[:, self.start :])
             else:
                 new = self.seq[:, self.start + self.cache.length :]  # the window's start, then 1
-                logits, _ = self.decoder(new, cache=self.cache, last_only=True)
-            logits = logits[:, -1]  # (B, V)
+                x = self.decoder.hidden_states(new, self.cache)
+            # forward without its head, which runs at the last position only: over a 50k
+            # vocabulary the head is a small model's costliest matmul
+            logits = self.decoder.logits(x[:, -1])  # (B, V)
             if self.padding is not None:
                 # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
                 # the padding decodes to nothing, so it can never be drawn, greedy or sampled.

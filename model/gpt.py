@@ -35,17 +35,6 @@ from model.kv_cache import KVCache
 from model.norm import make_norm
 from model.rope import RotaryTables
 
-# Rows of logits per piece when the loss is computed without them (see GPT.forward): 4096 x
-# GPT-2's vocabulary in float32 is 0.8 GB, against 13 GB for a 64 x 1024 batch at once.
-LOSS_CHUNK = 4096
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (B, T, vocab), in float32, over targets (B, T) != -1."""
-    return F.cross_entropy(
-        logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
-    )
-
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
@@ -147,62 +136,28 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self,
-        idx: torch.Tensor | None = None,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        embeddings: torch.Tensor | None = None,
-        last_only: bool = False,
-        return_logits: bool = True,
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx: (B, T) token ids. Returns logits for every position (B, T, vocab) and, given
-        targets (B, T) (the next token at each position; -1 is ignored), the mean cross-entropy.
-        With a cache, idx holds only the new tokens and positions continue from the cache.
-        `embeddings` (B, T, C) replaces wte[idx] (soft prompts; gradients with respect to the
-        inputs, as the causality checks take them). last_only: logits of the last position only,
-        (B, 1, vocab): all that generation needs, and the head over a 50k vocabulary is the
-        costliest matmul of a small model. return_logits=False (with targets): logits are None,
-        so that the caller keeps no (B, T, vocab) tensor alive through backward; without
-        gradients the loss is then computed LOSS_CHUNK rows at a time and the full logits never
-        exist (evaluation)."""
-        if last_only and targets is not None:
-            raise ValueError("last_only computes no loss: the loss needs every position")
-        x = self.hidden_states(idx, cache, embeddings, last_only)  # (B, T, C)
-        if targets is None or return_logits:
-            logits = self.logits(x)  # (B, T, vocab)
-            return logits, None if targets is None else _cross_entropy(logits, targets)
-        if torch.is_grad_enabled():  # backward needs every row's softmax anyway
-            return None, _cross_entropy(self.logits(x), targets)
-        x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (B*T, C), (B*T,)
-        nats = sum(
-            F.cross_entropy(
-                self.logits(x[i : i + LOSS_CHUNK]).float(),
-                targets[i : i + LOSS_CHUNK],
-                ignore_index=-1,
-                reduction="sum",
-            )
-            for i in range(0, x.size(0), LOSS_CHUNK)
+        """idx: (B, T) token ids. Without targets: (logits (B, T, vocab), None). With targets
+        (B, T), the next token at each position (-1 is ignored): (None, mean cross-entropy); the
+        logits die inside the call, so no (B, T, vocab) tensor is kept alive through backward.
+        With a cache, idx holds only the new tokens and positions continue from the cache."""
+        logits = self.logits(self.hidden_states(idx, cache))  # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
         )
-        return None, nats / (targets != -1).sum()
+        return None, loss
 
-    def hidden_states(
-        self,
-        idx: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        embeddings: torch.Tensor | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """The head's input: the final norm of the last block's output, (B, T, C), or (B, 1, C)
-        with last_only. Arguments as in `forward`, which is this followed by `logits`."""
-        tok_emb = self.transformer.wte(idx) if embeddings is None else embeddings  # (B, T, C)
-        start = cache.length if cache is not None else 0
-        x, rope = self.embed(tok_emb, start)
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The head's input: the final norm of the last block's output, (B, T, C)."""
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        x, rope = self.embed(tok_emb, cache.length if cache is not None else 0)
         for block in self.transformer.h:
             x = block(x, cache, rope)
         if cache is not None:
             cache.advance(x.size(1))
-        if last_only:
-            x = x[:, -1:]  # (B, 1, C)
         return self.transformer.ln_f(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
 from trainer.distributed import all_reduce_sum, in_lockstep
 
+# A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
+# forwards as many windows as keep them under this many (1 GB), whatever the batch size.
+MAX_LOGITS = 2**28
+
 
 @dataclass
 class EvalResult:
@@ -83,10 +87,12 @@ def evaluate(
     the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
     its share of the windows and every rank returns the totals over all ranks."""
     block_size = model.config.block_size
+    rows = max(1, min(batch_size, MAX_LOGITS // (block_size * model.config.vocab_size)))
     if stride is None:
-        batches = iter_eval_batches(tokens, block_size, batch_size, max_batches, rank, world_size)
+        windows = None if max_batches is None else max_batches * batch_size
+        batches = iter_eval_batches(tokens, block_size, rows, windows, rank, world_size)
     else:
-        batches = sliding_windows(tokens, block_size, stride, batch_size)
+        batches = sliding_windows(tokens, block_size, stride, rows)
     # Under FSDP every forward is a collective: a rank out of windows runs an unscored filler.
     window = torch.from_numpy(tokens[None, :block_size].astype(np.int64))
     total_nats, total_tokens, n, loss_sum, loss_sq_sum = 0.0, 0, 0, 0.0, 0.0
@@ -94,7 +100,7 @@ def evaluate(
         for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
             x, y = x.to(precision.device), y.to(precision.device)
             with precision.autocast():
-                _, loss = model(x, y, return_logits=False)  # no (B, T, vocab) logits at once
+                _, loss = model(x, y)
             if not scores:
                 continue
             scored = int((y != -1).sum())

@@ -391,7 +391,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.parallel_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    _, loss = self.step_model(x, y, return_logits=False)  # see GPT.forward
+                    _, loss = self.step_model(x, y)
                 loss = loss / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()

@@ -85,8 +85,8 @@ def test_eval_predicts_every_token_once(n: int, world: int) -> None:
 
 
 def test_eval_subset_is_fixed_and_evenly_spaced() -> None:
-    first = [x[:, 0].tolist() for x, _ in iter_eval_batches(TOKENS, 16, 4, max_batches=3)]
-    again = [x[:, 0].tolist() for x, _ in iter_eval_batches(TOKENS, 16, 4, max_batches=3)]
+    first = [x[:, 0].tolist() for x, _ in iter_eval_batches(TOKENS, 16, 4, max_windows=12)]
+    again = [x[:, 0].tolist() for x, _ in iter_eval_batches(TOKENS, 16, 4, max_windows=12)]
     assert first == again and len(first) == 3
     starts = [s for batch in first for s in batch]
     assert starts[0] == 0 and starts[-1] > len(TOKENS) * 0.9

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, gpt
+from model import GPT
 from model.gpt import MLP
 from model.norm import RMSNorm
 from tests.conftest import tiny_config
@@ -107,7 +107,8 @@ def test_logit_softcap_bounds_the_logits_and_the_loss_uses_them():
     capped.load_state_dict(free.state_dict())
     idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
     raw, _ = free(idx)
-    logits, loss = capped(idx, targets)
+    logits, _ = capped(idx)
+    _, loss = capped(idx, targets)
     assert raw.abs().max() > 0.05  # the cap does bind ...
     assert logits.abs().max() < 0.05  # ... and bounds every logit
     torch.testing.assert_close(logits, 0.05 * torch.tanh(raw / 0.05))
@@ -137,20 +138,15 @@ def test_zero_init_proj_makes_every_block_the_identity(options):
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_the_loss_without_logits_is_the_loss_with_them(monkeypatch, softcap):
-    """return_logits=False returns no logits; without gradients the loss is computed a few rows
-    at a time (here 5 of 2 x 16, the last piece partial) and equals the full computation, with
-    ignored targets; with gradients it is the same computation as with logits."""
+def test_with_targets_forward_returns_the_loss_of_its_logits_and_no_logits(softcap):
+    """The mean cross-entropy over targets != -1 of the logits forward returns without them."""
     torch.manual_seed(0)
     model = GPT(tiny_config(logit_softcap=softcap))
     idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
     targets[0, :7] = -1
-    logits, expected = model(idx, targets)
-    assert logits.shape == (2, 16, 101)
-    monkeypatch.setattr(gpt, "LOSS_CHUNK", 5)
-    with torch.no_grad():
-        none, loss = model(idx, targets, return_logits=False)
-    assert none is None
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
-    none, loss = model(idx, targets, return_logits=False)
-    assert none is None and torch.equal(loss, expected) and loss.requires_grad
+    logits, none = model(idx)
+    assert logits.shape == (2, 16, 101) and none is None
+    expected = F.cross_entropy(logits[targets != -1], targets[targets != -1])
+    none, loss = model(idx, targets)
+    assert none is None and loss.requires_grad
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)

@@ -14,6 +14,7 @@ from hardware.device import Precision
 from model import GPT
 from tests.conftest import tiny_config
 from tests.trainer.helpers import run_script
+from trainer import evaluation
 from trainer.evaluation import evaluate, sliding_windows
 
 CPU = Precision(torch.device("cpu"), torch.float32)
@@ -45,6 +46,18 @@ def test_loss_is_the_mean_over_every_token_and_bpb_follows():
     assert result.tokens == 69
     assert result.loss == pytest.approx(expected, rel=1e-6)
     assert result.bpb == pytest.approx(expected / math.log(2) / 2.5, rel=1e-6)
+
+
+def test_the_loss_is_the_same_whatever_the_windows_per_forward(monkeypatch):
+    """Evaluation caps the logits of a forward (MAX_LOGITS): one window per forward (the cap
+    below one window's logits) scores what the whole batch in one forward scores."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    tokens = np.random.default_rng(2).integers(0, 101, 97)
+    whole = evaluate(model, tokens, 1.0, 4, CPU, max_batches=1)
+    monkeypatch.setattr(evaluation, "MAX_LOGITS", 1)
+    assert evaluate(model, tokens, 1.0, 4, CPU, max_batches=1).loss == pytest.approx(whole.loss)
+    assert whole.tokens == 4 * 16  # max_batches counts batches of batch_size windows
 
 
 def test_stride_equal_to_block_size_is_the_non_overlapping_method():
