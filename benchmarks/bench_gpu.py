@@ -1,4 +1,4 @@
-"""Benchmark for the first GPU this project gets: what issue 18's fixes buy, measured.
+"""Benchmark for the first GPU this project gets: GPT-2 124M's training step, cell by cell.
 
 Run from anywhere on a CUDA machine: ``python benchmarks/bench_gpu.py`` (GPT-2 124M, bf16
 autocast, batch 16 x 1024, fused AdamW, torch.compile on; ``--help`` for the options). Prints a
@@ -6,43 +6,36 @@ markdown table: tokens/s, MFU against hardware/device.py's datasheet peak, and p
 cell. ``--device cpu --preset nano --batch-size 2 --block-size 64 --no-compile`` runs the same
 cells on a CPU (a smoke test of the script, not a measurement).
 
-Cells (each in a fresh subprocess; a cell's time is the median of --steps timed steps after
---warmup untimed ones, synchronized):
-- baseline: vocab 50257, logits kept through backward (the training step before issue 18);
+Cells (each in a fresh subprocess, benchmarks/harness.py; a cell's time is the median of
+--steps timed steps after --warmup untimed ones, synchronized). The step is the model's own
+forward with targets, which keeps no (B, T, vocab) logits through backward (issue 18):
+- vocab 50257: GPT-2's own vocabulary, the baseline;
 - padded vocab: 50304 rows (nanoGPT's padding: aligned matmuls in the head);
-- + no logits: return_logits=False (the training step now);
 - flash: attention=flash instead of sdpa (our tiled PyTorch FlashAttention; expected far slower
   than the fused kernel, it is the memory-linear teaching version);
 - muon: optim=muon (Newton-Schulz on every matrix, on every rank).
-A cell that runs out of memory prints OOM.
+A cell that runs out of memory prints OOM; one that fails, the last line of its error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
+from harness import head, row
 
 CELLS = {
-    "baseline (vocab 50257, logits kept)": dict(vocab=50257, logits=True),
-    "padded vocab 50304": dict(vocab=50304, logits=True),
-    "padded vocab + no logits": dict(vocab=50304, logits=False),
-    "flash attention": dict(vocab=50304, logits=False, attention="flash"),
-    "muon": dict(vocab=50304, logits=False, optim="muon"),
+    "baseline (vocab 50257)": dict(vocab=50257),
+    "padded vocab 50304": dict(vocab=50304),
+    "flash attention": dict(vocab=50304, attention="flash"),
+    "muon": dict(vocab=50304, optim="muon"),
 }
 
 
-SKIP = ("cells", "cell", "compile")  # not passed on as --key=value
-
-
-def run_cell(name: str, args: argparse.Namespace) -> dict[str, float]:
+def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
+    """One cell in this process: tokens/s, MFU and peak GPU memory of the training step."""
     import torch
 
     from hardware.device import Precision, configure_backends, peak_flops
@@ -50,11 +43,9 @@ def run_cell(name: str, args: argparse.Namespace) -> dict[str, float]:
     from trainer.config import OptimSettings
     from trainer.optim import build_optimizer
 
-    cell = CELLS[name]
     device = torch.device(args.device)
     configure_backends(device)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    precision = Precision(device, dtype)
+    precision = Precision(device, getattr(torch, args.dtype))
     values = {**load_preset(args.preset), "vocab_size": cell["vocab"]}
     values.update(block_size=args.block_size, attention=cell.get("attention", "sdpa"))
     torch.manual_seed(0)
@@ -66,14 +57,11 @@ def run_cell(name: str, args: argparse.Namespace) -> dict[str, float]:
     def step() -> None:
         x = torch.randint(0, 50257, shape, device=device)
         with precision.autocast():
-            logits, loss = step_model(x, x, return_logits=cell["logits"])
+            _, loss = step_model(x, x)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        del logits
-
-    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -84,13 +72,11 @@ def run_cell(name: str, args: argparse.Namespace) -> dict[str, float]:
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.steps):
-            sync()
             start = time.perf_counter()
             step()
-            sync()
             times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError:
-        return {"oom": 1}
+        return {"error": "OOM"}
     tok_s = args.batch_size * args.block_size / statistics.median(times)
     peak, _ = peak_flops(precision)
     mfu = tok_s * model.flops_per_token(args.block_size) / peak if peak else float("nan")
@@ -109,35 +95,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
-    parser.add_argument("--cell", help=argparse.SUPPRESS)  # the child's cell
-    args = parser.parse_args()
-    if args.cell:
-        print(json.dumps(run_cell(args.cell, args)))
-        return
-    import torch
-
-    from hardware.device import cpu_name
-
-    where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
+    args = harness.parse_args(parser, child)
+    print(harness.machine(args.device))
     print(
-        f"{where}, {args.preset}, {args.dtype}, batch {args.batch_size} x {args.block_size}, "
+        f"\n{args.preset}, {args.dtype}, batch {args.batch_size} x {args.block_size}, "
         f"compile {'on' if args.compile else 'off'}\n"
     )
-    print("| cell | tokens/s | MFU | peak memory (GiB) |")
-    print("| --- | ---: | ---: | ---: |")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in SKIP]
-    flags.append("--compile" if args.compile else "--no-compile")
+    head("cell | tokens/s | MFU | peak memory (GiB)", "lrrr")
     for name in args.cells:
-        cmd = [sys.executable, __file__, *flags, f"--cell={name}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"| {name} | failed: {done.stderr.strip().splitlines()[-1]} | | |")
-            continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
-        if "oom" in r:
-            print(f"| {name} | OOM | | |")
-            continue
-        print(f"| {name} | {r['tok_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gib']:.2f} |")
+        r = harness.measure(__file__, CELLS[name])
+        if "error" in r:
+            row([name, r["error"], "", ""])
+        else:
+            row([name, f"{r['tok_s']:,.0f}", f"{r['mfu']:.1%}", f"{r['peak_gib']:.2f}"])
 
 
 if __name__ == "__main__":

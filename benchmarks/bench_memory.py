@@ -17,24 +17,11 @@ torch.cuda.max_memory_allocated instead.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_attention import _reset_peak_rss, _rss_bytes  # noqa: E402
-from bench_train import (  # noqa: E402
-    GPT2_VOCAB,
-    compose,
-    machine,
-    measure,
-    overrides,
-    write_text,
-)
+import harness
+from bench_train import GPT2_VOCAB, compose, random_text
+from harness import head, row
 
 # (preset, attention, dtype, optimizer)
 CELLS = [
@@ -49,36 +36,24 @@ CELLS = [
 ]
 
 
-def child(cell: dict, args: argparse.Namespace, data_dir: Path) -> dict:
+def child(cell: dict, args: argparse.Namespace) -> dict:
     """One cell in this process: the estimate and the measured peak above the baseline."""
-    import torch
-
-    from trainer.loop import Trainer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings, resolved = compose(overrides({**cell, "compile": False}, args, data_dir))
     from data import prepare_data
+    from trainer.loop import Trainer
+    from trainer.memory import estimate_memory
 
+    settings, resolved = compose(cell, args)
     prepare_data(settings.data, verbose=False)  # loaded before the baseline: not the step's memory
     with tempfile.TemporaryDirectory() as run_dir:
-        baseline = _rss_bytes("VmRSS")
-        _reset_peak_rss()
+        baseline = harness.rss_bytes("VmRSS")
+        harness.reset_peak_rss()
         trainer = Trainer(settings, run_dir, resolved)
         for _ in range(args.steps):
             trainer.train_step()
-        peak = _rss_bytes("VmHWM") - baseline
-    from trainer.memory import estimate_memory
-
-    estimate = estimate_memory(
-        trainer.model.config, args.batch_size, cell["optim"], trainer.precision.dtype
-    )
-    return {
-        "params": trainer.model.num_params(),
-        "estimate": estimate.total,
-        "logits": estimate.logits,
-        "measured": peak,
-    }
+        peak = harness.rss_bytes("VmHWM") - baseline
+    model, dtype = trainer.model, trainer.precision.dtype
+    estimate = estimate_memory(model.config, args.batch_size, cell["optim"], dtype)
+    return {"params": model.num_params(), "estimate": estimate.total, "measured": peak}
 
 
 def main() -> None:
@@ -90,46 +65,30 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="model.vocab_size (>= 257)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per cell")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.device = "cpu"  # bench_train's overrides and machine() read it
-    if args.child:
-        print(json.dumps(child(json.loads(args.child), args, Path(args.data_dir))))
-        return
+    parser.set_defaults(device="cpu")  # bench_train's compose reads it
+    args = harness.parse_args(parser, child)
     if args.steps < 2:
         parser.error("--steps must be at least 2: the optimizer state exists from the second")
-    with tempfile.TemporaryDirectory() as tmp:
-        data_dir = Path(tmp)
-        write_text(data_dir)
-        argv = [
-            f"--data-dir={data_dir}",
-            *(
-                f"--{n}={getattr(args, n.replace('-', '_'))}"
-                for n in ("steps", "batch-size", "block-size", "vocab", "threads")
-            ),
-        ]
-        print(machine(args))
-        print(
-            f"\nPeak memory of a training step: batch {args.batch_size} x block "
-            f"{args.block_size}, vocab {args.vocab}, {args.steps} steps; measured = peak RSS "
-            "(VmHWM) above the RSS before the Trainer was built; fresh process per cell.\n"
-        )
-        print("| preset | params | attention | dtype | optim | estimate | measured | est/meas |")
-        print("|---|---:|---|---|---|---:|---:|---:|")
+    print(harness.machine())
+    print(
+        f"\nPeak memory of a training step: batch {args.batch_size} x block "
+        f"{args.block_size}, vocab {args.vocab}, {args.steps} steps; measured = peak RSS "
+        "(VmHWM) above the RSS before the Trainer was built; fresh process per cell.\n"
+    )
+    head("preset | params | attention | dtype | optim | estimate | measured | est/meas", "lrlllrrr")
+    with random_text(args) as data:
         for preset, impl, dtype, optim in CELLS:
             if preset not in args.presets:
                 continue
-            cell = dict(preset=preset, impl=impl, dtype=dtype, optim=optim)
-            res = measure(cell, argv, args.timeout, script=__file__)
-            row = [preset, "", impl, dtype, optim]
+            cell = dict(preset=preset, impl=impl, dtype=dtype, optim=optim, data=data)
+            res = harness.measure(__file__, cell, args.timeout)
+            line = [preset, "", impl, dtype, optim]
             if "error" in res:
-                print("| " + " | ".join([*row, res["error"], "", ""]) + " |", flush=True)
+                row([*line, res["error"], "", ""])
                 continue
-            row[1] = f"{res['params'] / 1e6:.1f}M"
-            ratio = res["estimate"] / res["measured"]
-            row += [f"{res['estimate'] / 2**20:,.0f} MiB", f"{res['measured'] / 2**20:,.0f} MiB"]
-            print("| " + " | ".join([*row, f"{ratio:.2f}"]) + " |", flush=True)
+            line[1] = f"{res['params'] / 1e6:.1f}M"
+            line += [f"{res[k] / 2**20:,.0f} MiB" for k in ("estimate", "measured")]
+            row([*line, f"{res['estimate'] / res['measured']:.2f}"])
 
 
 if __name__ == "__main__":

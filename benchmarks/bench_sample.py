@@ -35,21 +35,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
+from harness import head, row
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hardware.device import cpu_auto_dtype, cpu_name  # noqa: E402
-from inference import SamplingParams, generate  # noqa: E402
-from inference.decoding import SplitLinear, cpu_decoding_dtype  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from hardware.device import cpu_auto_dtype
+from inference import SamplingParams, generate
+from inference.decoding import SplitLinear, cpu_decoding_dtype
+from model import GPT, GPTConfig
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304, dropout=0.0)
 
@@ -76,9 +74,8 @@ def weight_bytes(model: GPT) -> int:
 def nanogpt_generate(model: GPT, idx: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
     """nanoGPT's model.generate (temperature 1, no top_k), step for step."""
     for _ in range(n):
-        idx_cond = idx[:, -model.config.block_size :]
-        logits, _ = model(idx_cond, last_only=True)
-        probs = F.softmax(logits[:, -1, :], dim=-1)
+        x = model.hidden_states(idx[:, -model.config.block_size :])  # (B, T, C)
+        probs = F.softmax(model.logits(x[:, -1, :]), dim=-1)  # the head at the last position only
         idx = torch.cat((idx, torch.multinomial(probs, num_samples=1, generator=gen)), dim=1)
     return idx
 
@@ -117,16 +114,13 @@ def main() -> None:
         help="weight dtypes of our rows, e.g. float32,bfloat16; auto: float32, and bfloat16 "
         "too where either precision probe (training's, generation's) picks it on this CPU",
     )
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = harness.parse_args(parser)
     n = args.new_tokens
     torch.manual_seed(0)
     prompt = torch.zeros(1, 1, dtype=torch.long)
     print(
-        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-        f"nanoGPT's 30M shape (6x384, block 256, vocab 50,304), batch 1, {n} new tokens, "
-        f"{args.rounds} interleaved rounds\n"
+        f"{harness.machine()}\nnanoGPT's 30M shape (6x384, block 256, vocab 50,304), batch 1, "
+        f"{n} new tokens, {args.rounds} interleaved rounds\n"
     )
     dtypes = args.dtypes.split(",")
     if args.dtypes == "auto":
@@ -193,29 +187,27 @@ def main() -> None:
         for _ in range(10):
             for times, (_, step) in zip(layout_seconds, layouts, strict=True):
                 times.append(timed(step))
-    print("\n| a decoding step's matrix-vector products (float32), layout | ms | GB/s |")
-    print("|---|---:|---:|")
+    print()
+    head("a decoding step's matrix-vector products (float32), layout | ms | GB/s", "lrr")
     for (name, _), times in zip(layouts, layout_seconds, strict=True):
         median = statistics.median(times)
-        print(f"| {name} | {median * 1e3:.2f} | {weight_bytes(nanogpt) / median / 1e9:.1f} |")
+        row([name, f"{median * 1e3:.2f}", f"{weight_bytes(nanogpt) / median / 1e9:.1f}"])
     every = [b for bws in bandwidths for b in bws]
     print(
         f"\ncopy bandwidth {min(every) / 1e9:.1f}-{max(every) / 1e9:.1f} GB/s over the run; "
         "each run's roofline is the higher of the copies just before and after it\n"
     )
-    header = "generation | weights | MB read/token | roofline tok/s | tok/s | of roofline"
-    print(f"| {header} | vs nanoGPT |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    columns = "generation | weights | MB read/token | roofline tok/s | tok/s | of roofline"
+    head(f"{columns} | vs nanoGPT", "llrrrrr")
     for (name, m, _), times, bws in zip(rows, seconds, bandwidths, strict=True):
         mb = weight_bytes(m)
         tok_s = statistics.median(n / t for t in times)
         roof = statistics.median(bw / mb for bw in bws)
         of_roof = statistics.median(n / t / (bw / mb) for t, bw in zip(times, bws, strict=True))
         vs = statistics.median(base / t for base, t in zip(seconds[0], times, strict=True))
-        print(
-            f"| {name} | {str(m.lm_head.weight.dtype).removeprefix('torch.')} | {mb / 1e6:.0f} | "
-            f"{roof:,.0f} | {tok_s:,.1f} | {of_roof:.0%} | {vs:.1f}x |"
-        )
+        dtype = str(m.lm_head.weight.dtype).removeprefix("torch.")
+        line = [name, dtype, f"{mb / 1e6:.0f}", f"{roof:,.0f}", f"{tok_s:,.1f}"]
+        row([*line, f"{of_roof:.0%}", f"{vs:.1f}x"])
 
 
 if __name__ == "__main__":
