@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -24,37 +23,23 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError
-from checkpoints.store import (
-    MODEL_FILE,
-    STEP_PREFIX,
-    Checkpoint,
-    CheckpointError,
-    check_writable,
-    checkpoint_bytes,
-    load_checkpoint,
-    prune_step_checkpoints,
-    resume_source,
-    save_checkpoint,
-    verify_checkpoint,
-)
 from data import PreparedData, prepare_data
 from data.prefetch import PrefetchingSampler
 from data.sampler import BatchSampler
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
+from trainer.checkpointing import CheckpointManager, FunctionState
 from trainer.config import RunConfig
-from trainer.console import Progress, format_bytes, format_seconds
+from trainer.console import Progress, format_seconds
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
-    barrier,
     check_visible,
     clip_grad_norm,
     compile_model,
     destroy,
     from_main,
-    full_model,
     gradient_sync,
     init_distributed,
     load_optimizer_state,
@@ -97,6 +82,13 @@ class TrainState:
     elapsed: float = 0.0  # seconds spent in the training loop, summed over resumes
     skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nan=skip)
     wandb_id: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
 
 
 class _Throughput:
@@ -169,9 +161,6 @@ class Trainer:
             self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
         )
         self.run_dir = Path(from_main(str(run_dir)))
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        if self.dist.is_main:  # fail now, not at the first checkpoint
-            check_writable(self.ckpt_dir)
         self.precision = resolve_precision(self.device, cfg.dtype)
         self.sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         if self.sharded and self.precision.needs_grad_scaler:
@@ -180,6 +169,14 @@ class Trainer:
 
         self.data = run_on_main(lambda: prepare_data(cfg.data))  # rank 0 alone verifies every byte
         check_visible(self.data)
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            resolved_config,
+            self.data,
+            cfg.train.keep_checkpoints,
+            self.dist,
+            say=lambda text: self.progress.message(text),  # the bar exists before any save
+        )
         self.tokenizer = self.data.tokenizer()
         init_from = cfg.train.init_from  # pretrained weights, else a random initialization
         if init_from:  # the source fixes the architecture; its weights are checked causal
@@ -196,7 +193,7 @@ class Trainer:
         self.model = (model if init_from else GPT(model_config)).to(self.device)
         self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
-            resume_from = self._resume_checkpoint()
+            resume_from = self.checkpoints.resume_checkpoint(cfg.train.resume, model_config)
         if resume_from is not None:  # weights before sharding: FSDP shards what is loaded
             self.model.load_state_dict(resume_from.model.state_dict())
         self.parallel_model = wrap_model(
@@ -217,11 +214,25 @@ class Trainer:
         if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
         self.state = TrainState()
-        self.losses: dict[int, float] = {}  # step -> training loss, at every logged step
+        self.stateful = {  # what `last` holds besides the weights, by name
+            "train_state": self.state,
+            "optimizer": FunctionState(
+                lambda: optimizer_state(self.model, self.optimizer),
+                lambda state: load_optimizer_state(self.model, self.optimizer, state),
+            ),
+            "sampler": self.sampler,
+            "torch_rng": FunctionState(torch.get_rng_state, torch.set_rng_state),
+        }
+        if self.device.type == "cuda":
+            self.stateful["cuda_rng"] = FunctionState(
+                torch.cuda.get_rng_state, torch.cuda.set_rng_state
+            )
+        if self.scaler is not None:
+            self.stateful["scaler"] = self.scaler
         self.resumed_from = None if resume_from is None else resume_from.path
-        self.disk_reported = False  # the first full checkpoint's size is printed once
         if resume_from is not None:
-            self._resume(resume_from)
+            self.checkpoints.restore(resume_from, self.stateful)
+            self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
         self.step_model = (
             compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
         )
@@ -250,60 +261,6 @@ class Trainer:
 
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def _resume_checkpoint(self) -> Checkpoint | None:
-        """The checkpoint to resume from, if any (every rank reads it: the run directory must
-        be on a filesystem that all nodes share)."""
-        source = resume_source(self.cfg.train.resume, self.run_dir)
-        if source is None:
-            return None
-        ckpt = load_checkpoint(source, with_trainer_state=True)
-        if ckpt.model.config != self.model.config:
-            raise CheckpointError(
-                f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
-                f"run's model is {self.model.config.to_dict()}; resume with the same model config"
-            )
-        data = self.data
-        if not ckpt.same_tokenizer(data):
-            raise CheckpointError(
-                f"the checkpoint at {source} was trained with another {ckpt.tokenizer_name} "
-                f"tokenizer than this run's data ({data.tokenizer_name} in {data.dir}; a "
-                "trained one changes with its training text); resume with the same data"
-            )
-        return ckpt
-
-    def _resume(self, ckpt: Checkpoint) -> None:
-        """Everything but the weights (loaded before wrapping the model)."""
-        state = ckpt.trainer_state
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.state = TrainState(**state["train_state"])
-        # A kill after a `best` write and before the next `last` leaves a `best` that `last`'s
-        # state does not know: a worse model must not replace it.
-        self.state.best_val_loss = min(self.state.best_val_loss, self._best_on_disk())
-
-    def _best_on_disk(self) -> float:
-        """The validation loss recorded by this run's complete `best` checkpoint (inf if none)."""
-        try:
-            return float(verify_checkpoint(self.ckpt_dir / "best")["meta"]["val_loss"])
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
-            return math.inf
-
-    def _trainer_state(self) -> dict[str, Any]:
-        """Rank 0's trainer state; under FSDP every rank must call (the optimizer is gathered)."""
-        return {
-            "train_state": asdict(self.state),
-            "optimizer": optimizer_state(self.model, self.optimizer),
-            "sampler": self.sampler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
-
     def _meta(self, **extra: Any) -> dict[str, Any]:
         return {
             "step": self.state.step,
@@ -313,49 +270,9 @@ class Trainer:
         }
 
     def save(self, name: str, with_trainer_state: bool = True, **meta: Any) -> Path:
-        """Every rank calls this at the same step (FSDP gathers the shards); rank 0 writes, and
-        the barrier holds the others until the checkpoint is complete."""
-        path = self.ckpt_dir / name
-        model = full_model(self.model)
-        trainer_state = self._trainer_state() if with_trainer_state else None
-        if self.dist.is_main:
-            save_checkpoint(
-                path,
-                model,
-                self.resolved_config,
-                self._meta(**meta),
-                trainer_state,
-                tokenizer_file=self.data.tokenizer_file,
-            )
-            if with_trainer_state and not self.disk_reported:
-                self._report_disk(path)
-        barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
-        return path
-
-    def save_periodic(self) -> None:
-        """`last`, and with train.keep_checkpoints=N a `step-<step>` checkpoint too, pruned to
-        the N most recently written."""
-        self.save("last")
-        keep = self.cfg.train.keep_checkpoints
-        if keep:
-            name = f"{STEP_PREFIX}{self.state.step}"
-            self.save(name)
-            if self.dist.is_main:
-                prune_step_checkpoints(self.ckpt_dir, keep, newest=name)
-
-    def _report_disk(self, path: Path) -> None:
-        """What this run's checkpoints will take on disk: `last` and N step checkpoints in
-        full, `best` without the optimizer state."""
-        self.disk_reported = True
-        full, weights = checkpoint_bytes(path), (path / MODEL_FILE).stat().st_size
-        keep = self.cfg.train.keep_checkpoints
-        total = full * (1 + keep) + weights
-        free = shutil.disk_usage(self.ckpt_dir).free
-        self.progress.message(
-            f"checkpoints: {format_bytes(full)} each; last + {keep} step checkpoints "
-            f"(train.keep_checkpoints) + best's weights: about {format_bytes(total)} in "
-            f"{self.ckpt_dir} ({format_bytes(free)} free)"
-        )
+        """Every rank calls this at the same step (see trainer/checkpointing.py)."""
+        stateful = self.stateful if with_trainer_state else None
+        return self.checkpoints.save(name, self.model, self._meta(**meta), stateful)
 
     # ----- evaluation ----------------------------------------------------------------------
 
@@ -431,7 +348,7 @@ class Trainer:
         if self.cfg.train.on_nan == "skip" and self.state.skipped_steps <= MAX_SKIPPED_STEPS:
             self.progress.message(f"step {self.state.step + 1}: non-finite {what}; step skipped")
             return
-        last = self.ckpt_dir / "last"
+        last = self.checkpoints.dir / "last"
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved"
         raise TrainingError(
             f"non-finite {what} at step {self.state.step + 1}; stopping ({kept}). "
@@ -480,7 +397,7 @@ class Trainer:
             if cfg.eval_interval and state.step % cfg.eval_interval == 0:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
-                self.save_periodic()
+                self.checkpoints.save_periodic(self.model, self._meta(), self.stateful)
             if logged:
                 throughput.restart()  # tokens/s measures training: evaluations and saves excluded
             if signum:
@@ -524,7 +441,6 @@ class Trainer:
         if self.peak_flops:
             values["mfu"] = tok_s * self.flops_per_token / self.peak_flops
         step = self.state.step
-        self.losses[step] = values["loss"]
         self.progress.update(step, values, self._eta(tok_s))
         self._record(
             {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
@@ -616,7 +532,7 @@ class Trainer:
             "val_tokens": None if final is None else final.tokens,
             "final_eval": cfg.final_eval,
             "checkpoint": str(last),
-            "best_checkpoint": str(self.ckpt_dir / "best"),
+            "best_checkpoint": str(self.checkpoints.dir / "best"),
         }
         if final is not None:
             self._record(final.metrics("final_val"), self.state.step)

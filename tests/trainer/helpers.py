@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import RunConfig
 from trainer.loop import Trainer
+from trainer.metrics_log import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # The limit on a test's wait for a process: it only turns a hang into a failure. Processes here
@@ -62,3 +63,9 @@ def run_script(
         timeout=timeout,
         **popen,
     )
+
+
+def losses(trainer: Trainer) -> dict[int, float]:
+    """Step -> training loss at every logged step, as the run's metrics.jsonl records it."""
+    rows = read_metrics(trainer.run_dir / METRICS_FILE)
+    return {row["step"]: row["train_loss"] for row in rows if "train_loss" in row}

@@ -14,7 +14,7 @@ from base.errors import ConfigError
 from checkpoints.store import CheckpointError, load_checkpoint
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import HANG_SECONDS, compose_run, make_trainer
+from tests.trainer.helpers import HANG_SECONDS, compose_run, losses, make_trainer
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError
@@ -41,7 +41,7 @@ def crash_at(trainer, step: int) -> None:
 def test_loss_falls(tmp_path, corpus):
     trainer = make_trainer(tmp_path, corpus, "train.max_steps=30", "train.eval_interval=0")
     trainer.run()
-    first, last = trainer.losses[1], trainer.losses[30]
+    first, last = losses(trainer)[1], losses(trainer)[30]
     assert last < first - 1.0, (first, last)
 
 
@@ -51,7 +51,7 @@ def test_loss_falls_with_muon(tmp_path, corpus):
     )
     trainer.run()
     assert isinstance(trainer.optimizer, Muon)
-    first, last = trainer.losses[1], trainer.losses[30]
+    first, last = losses(trainer)[1], losses(trainer)[30]
     assert last < first - 1.0, (first, last)
 
 
@@ -105,8 +105,8 @@ def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, opt
     assert resumed.state.step == 6
     resumed.run()
 
-    assert {s: resumed.losses[s] for s in range(7, 13)} == {
-        s: straight.losses[s] for s in range(7, 13)
+    assert {s: losses(resumed)[s] for s in range(7, 13)} == {
+        s: losses(straight)[s] for s in range(7, 13)
     }  # bit-identical, not merely close
     for (name, a), (_, b) in zip(
         straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from checkpoints.store import load_checkpoint
-from tests.trainer.helpers import make_trainer
+from tests.trainer.helpers import losses, make_trainer
 
 EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG state counts too
 
@@ -35,8 +35,8 @@ def test_resuming_from_a_step_checkpoint_repeats_the_run_from_there(tmp_path, co
     resumed = make_trainer(tmp_path / "b", corpus, *EVERY_2, f"train.resume={step_6}")
     assert resumed.state.step == 6
     resumed.run()
-    assert {s: resumed.losses[s] for s in range(7, 13)} == {
-        s: straight.losses[s] for s in range(7, 13)
+    assert {s: losses(resumed)[s] for s in range(7, 13)} == {
+        s: losses(straight)[s] for s in range(7, 13)
     }  # bit-identical: weights, optimizer, RNG and data position all came from step-6
     for (name, a), (_, b) in zip(
         straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True

@@ -1,0 +1,145 @@
+"""Saving and resuming a run: one component over the objects that hold its state.
+
+A run's checkpoints live in <run dir>/checkpoints: `last` (the weights and every stateful
+object's state, all a resumed run needs to continue exactly where it stopped), `best` (the
+weights at the lowest validation loss) and, with train.keep_checkpoints=N, `step-<step>` copies
+of `last`. As torchtitan's CheckpointManager, it knows nothing of training: the trainer hands it
+named objects with `state_dict()` / `load_state_dict()`, and their states are saved under those
+names (the keys of a checkpoint's trainer_state).
+
+Under torchrun every rank calls `save` at the same step (FSDP gathers the shards); rank 0 writes,
+and a barrier holds the others until the checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from checkpoints.store import (
+    MODEL_FILE,
+    STEP_PREFIX,
+    Checkpoint,
+    CheckpointError,
+    check_writable,
+    checkpoint_bytes,
+    load_checkpoint,
+    prune_step_checkpoints,
+    resume_source,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from data import PreparedData
+from model import GPT, GPTConfig
+from trainer.console import format_bytes
+from trainer.distributed import DistInfo, barrier, full_model
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class FunctionState:
+    """A state reached through functions, not an object's methods (the RNGs; an optimizer
+    gathered from FSDP's shards)."""
+
+    state_dict: Callable[[], Any]
+    load_state_dict: Callable[[Any], None]
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        run_dir: Path,
+        resolved_config: dict[str, Any],
+        data: PreparedData,
+        keep: int,
+        dist: DistInfo,
+        say: Callable[[str], None],
+    ):
+        self.dir = run_dir / "checkpoints"
+        self.run_dir, self.resolved_config, self.data = run_dir, resolved_config, data
+        self.keep, self.dist, self.say = keep, dist, say
+        self.disk_reported = False  # the first full checkpoint's size is printed once
+        if dist.is_main:  # fail now, not at the first checkpoint
+            check_writable(self.dir)
+
+    def resume_checkpoint(self, resume: str | None, config: GPTConfig) -> Checkpoint | None:
+        """The checkpoint `train.resume` names, if any, checked against this run's model and
+        tokenizer (every rank reads it: the run dir must be on a filesystem all nodes share)."""
+        source = resume_source(resume, self.run_dir)
+        if source is None:
+            return None
+        ckpt = load_checkpoint(source, with_trainer_state=True)
+        if ckpt.model.config != config:
+            raise CheckpointError(
+                f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
+                f"run's model is {config.to_dict()}; resume with the same model config"
+            )
+        if not ckpt.same_tokenizer(self.data):
+            raise CheckpointError(
+                f"the checkpoint at {source} was trained with another {ckpt.tokenizer_name} "
+                f"tokenizer than this run's data ({self.data.tokenizer_name} in {self.data.dir}; "
+                "a trained one changes with its training text); resume with the same data"
+            )
+        return ckpt
+
+    def restore(self, ckpt: Checkpoint, stateful: dict[str, Stateful]) -> None:
+        """Every state but the weights (loaded before FSDP shards the model). A state the
+        checkpoint lacks (no GPU's RNG, no loss scaler when it was saved) is left as it is."""
+        for name, obj in stateful.items():
+            if ckpt.trainer_state.get(name) is not None:
+                obj.load_state_dict(ckpt.trainer_state[name])
+
+    def best_loss(self) -> float:
+        """The validation loss recorded by this run's complete `best` checkpoint (inf if none):
+        a kill after a `best` write and before the next `last` leaves a `best` that `last`'s
+        state does not know, and a worse model must not replace it."""
+        try:
+            return float(verify_checkpoint(self.dir / "best")["meta"]["val_loss"])
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            return math.inf
+
+    def save(
+        self, name: str, model: GPT, meta: dict[str, Any], stateful: dict[str, Stateful] | None
+    ) -> Path:
+        """`name` with the weights, and with every stateful object's state unless None."""
+        path = self.dir / name
+        weights = full_model(model)
+        states = None if stateful is None else {k: v.state_dict() for k, v in stateful.items()}
+        if self.dist.is_main:
+            save_checkpoint(
+                path, weights, self.resolved_config, meta, states, self.data.tokenizer_file
+            )
+            if states is not None and not self.disk_reported:
+                self._report_disk(path)
+        barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
+        return path
+
+    def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: dict[str, Stateful]):
+        """`last`, and with keep=N a `step-<step>` checkpoint too, pruned to the N most recently
+        written."""
+        self.save("last", model, meta, stateful)
+        if self.keep:
+            name = f"{STEP_PREFIX}{meta['step']}"
+            self.save(name, model, meta, stateful)
+            if self.dist.is_main:
+                prune_step_checkpoints(self.dir, self.keep, newest=name)
+
+    def _report_disk(self, path: Path) -> None:
+        """What this run's checkpoints will take on disk: `last` and N step checkpoints in
+        full, `best` without the optimizer state."""
+        self.disk_reported = True
+        full, weights = checkpoint_bytes(path), (path / MODEL_FILE).stat().st_size
+        total = full * (1 + self.keep) + weights
+        self.say(
+            f"checkpoints: {format_bytes(full)} each; last + {self.keep} step checkpoints "
+            f"(train.keep_checkpoints) + best's weights: about {format_bytes(total)} in "
+            f"{self.dir} ({format_bytes(shutil.disk_usage(self.dir).free)} free)"
+        )
