@@ -1,2 +1,3 @@
-"""The ground floor: the user-error boundary and the validators every config object uses.
-Imports nothing of ours, so model/ and data/ can use it as well as everything above them."""
+"""The ground floor: the user-error boundary, the validators every config object uses, the
+Hydra entry decorator and atomic file writes. Imports nothing of ours, so every package above
+can use it."""

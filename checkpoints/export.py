@@ -9,16 +9,14 @@
 Only exact equivalents are exported: each mapping computes the same logits as our model (tests
 check it against transformers). An option without one fails in one line naming it.
 
-The export is written into a temporary sibling directory and renamed into place, so `out` never
-holds half an export.
+The export is written into a temporary sibling directory and swapped into place
+(base.files.write_dir_atomic), so `out` never holds half an export.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from base.errors import ConfigError
+from base.files import write_dir_atomic
 from checkpoints.sources import load_source
 from checkpoints.store import Checkpoint, find_checkpoint
 from data.tokenizer import GPT2_N_VOCAB, gpt2_bpe_files
@@ -59,7 +58,7 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
     source = cfg.get("checkpoint")
     ckpt = load_source(find_checkpoint(None) if source is None else source)
     files = hf_files(ckpt)  # everything checked before anything is written
-    _write_atomically(out, files)
+    write_dir_atomic(out, lambda tmp: _write_files(tmp, files))
     return out
 
 
@@ -267,33 +266,15 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
     return "\n".join(lines)
 
 
-def _write_atomically(out: Path, files: dict[str, Any]) -> None:
-    """Write `files` into a temporary sibling of `out`, then rename it into place. An existing
-    `out` (overwrite=true) is moved aside first, put back if the rename fails, deleted last."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    try:
-        for name, content in files.items():
-            if isinstance(content, Path):
-                shutil.copyfile(content, tmp / name)
-            elif isinstance(content, str):
-                (tmp / name).write_text(content)
-            elif name.endswith(".safetensors"):
-                tensors = {k: v.detach().contiguous() for k, v in content.items()}
-                save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            else:
-                (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp's and safetensors' owner-only modes
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        if out.exists():
-            os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if old.exists():
-                os.replace(old, out)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+def _write_files(tmp: Path, files: dict[str, Any]) -> None:
+    """Write `files` (see hf_files) into the directory `tmp`."""
+    for name, content in files.items():
+        if isinstance(content, Path):
+            shutil.copyfile(content, tmp / name)
+        elif isinstance(content, str):
+            (tmp / name).write_text(content)
+        elif name.endswith(".safetensors"):
+            tensors = {k: v.detach().contiguous() for k, v in content.items()}
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        else:
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")

@@ -9,15 +9,15 @@ Layout of one checkpoint directory (`<run_dir>/checkpoints/last/` or `.../best/`
                         alone can sample and evaluate; absent for built-in tokenizers
     manifest.json       size and sha256 of each file above; written last
 
-A checkpoint is written into a temporary sibling directory and renamed into place, so a crash at
-any instant leaves either the previous complete checkpoint or the new one, never a mixture.
+A checkpoint is written into a temporary sibling directory and swapped into place
+(base.files.write_dir_atomic), so a crash at any instant leaves either the previous complete
+checkpoint or the new one, never a mixture; every reader first recovers a swap a crash cut short.
 Directories without a valid manifest (an interrupted write) are never picked up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -33,8 +33,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from base.files import recover_swap, sha256_file, write_dir_atomic
 from data import PreparedData
-from data.faults import fault_point
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 from model.weights import check_config_against_weights, read_safetensors_header
@@ -74,22 +74,6 @@ class Checkpoint:
         tokenizer changes with its training text, not only with its name)."""
         ours = tokenizer_fingerprint(self.tokenizer_name, self.path)
         return ours == tokenizer_fingerprint(data.tokenizer_name, data.dir)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def writable_error(directory: str | Path) -> str | None:
@@ -162,7 +146,7 @@ def save_checkpoint(
 def _previous(path: Path) -> str:
     """What a failed write left at `path`, for the error message."""
     try:
-        recover_interrupted_swap(path)
+        recover_swap(path)
         step = json.loads((path / CONFIG_FILE).read_text())["meta"].get("step")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "there is no previous checkpoint there"
@@ -178,19 +162,9 @@ def _write_checkpoint(
     trainer_state: dict[str, Any] | None,
     tokenizer_file: str | Path | None = None,
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A crash between the two renames below left the only complete checkpoint at `old`: put it
-    # back before anything could delete `old`.
-    recover_interrupted_swap(path)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # mkdir, not mkdtemp (0700): a
-    tmp.mkdir()  # checkpoint follows the umask, so teammates can read it where the umask allows
-    try:
+    def fill(tmp: Path) -> None:
         with _os_errors(tmp / MODEL_FILE):
             save_file(model_state(model), str(tmp / MODEL_FILE))
-        fault_point("checkpoint.partial")  # tests only (data/faults.py): kill -9 here
-        os.chmod(tmp / MODEL_FILE, tmp.stat().st_mode & 0o666)  # safetensors makes it 0600
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         files = [MODEL_FILE, CONFIG_FILE]
@@ -203,42 +177,17 @@ def _write_checkpoint(
                 shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
             files.append(TOKENIZER_FILE)
         manifest = {
-            name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
             for name in files
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-        for name in [*files, MANIFEST_FILE]:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fault_point("checkpoint.complete")
-        # Swap: move the old checkpoint aside, rename the new one in, then delete the old one.
-        # At every instant either `path` or `old` holds a complete checkpoint.
-        old = path.parent / f".{path.name}.old"
-        if old.exists():  # `path` exists (recovered above): `old` is a leftover copy
-            shutil.rmtree(old)
-        if path.exists():
-            os.replace(path, old)
-            fault_point("checkpoint.swap")
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        fault_point("checkpoint.replaced")
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
-
-def recover_interrupted_swap(path: Path) -> None:
-    """If a crash came between moving the old checkpoint aside and renaming the new one in,
-    put the old one back."""
-    old = path.parent / f".{path.name}.old"
-    if not path.exists() and old.exists():
-        os.replace(old, path)
+    write_dir_atomic(path, fill)
 
 
 def is_complete(path: Path) -> bool:
     """Whether `path` holds a checkpoint whose write finished (it has its manifest)."""
-    recover_interrupted_swap(path)
+    recover_swap(path)
     return (path / MANIFEST_FILE).is_file()
 
 
@@ -251,7 +200,7 @@ def _verify(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, config.json) of a checkpoint, after checking that every file it names is a
     plain file inside `path` (no file is opened before all the names pass), that every file
     the loader reads is listed, and every listed file's size and sha256."""
-    recover_interrupted_swap(path)
+    recover_swap(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}")
     manifest = _read_manifest(path)
@@ -273,7 +222,7 @@ def _verify(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                 f"checkpoint file {file} has {file.stat().st_size} bytes, expected "
                 f"{expected['bytes']}: it is truncated or was modified"
             )
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
     return manifest, _read_config(path / CONFIG_FILE)
 

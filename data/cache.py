@@ -4,15 +4,16 @@ A directory is complete only when ``meta.json`` exists, names the expected finge
 every file it records is intact: each token file ``<split>.bin`` has exactly the size and the
 sha256 recorded under ``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the
 size and sha256 under ``tokenizer_file``. ``meta.json`` is written last, and every file goes
-through a temporary name and an atomic rename, so an interrupted preparation never leaves
-something that passes this check; a file damaged afterwards (truncated, overwritten, a flipped
-bit) fails it with a message naming the file. :func:`verify_prepared` is that check, the only
-one: ``prepare_data()`` runs it whenever it reuses a directory, and every reader of token files
-(training, resuming, ``evaluate.py``, each torchrun rank) gets them from ``prepare_data()``.
+through a temporary name and an atomic rename (``base.files.atomic_path``), so an interrupted
+preparation never leaves something that passes this check; a file damaged afterwards
+(truncated, overwritten, a flipped bit) fails it with a message naming the file.
+:func:`verify_prepared` is that check, the only one: ``prepare_data()`` runs it whenever it
+reuses a directory, and every reader of token files (training, resuming, ``evaluate.py``, each
+torchrun rank) gets them from ``prepare_data()``.
 
 Cost. A token file's sha256 is computed while it is written (no extra pass). Verifying checks
 all sizes first (free: a truncated file fails without reading anything), then hashes every byte
-in one streaming pass of ``HASH_CHUNK`` reads. Measured on the 2-core dev VM (CPython 3.11
+in one streaming pass (base.files.sha256_file). Measured on the 2-core dev VM (CPython 3.11
 hashlib, OpenSSL 3, files in the page cache): 0.67-0.74 GB/s on a 1 GB file; Shakespeare's
 gpt2 train split (3.3 MB) hashes in 3-6 ms and the whole directory verifies in under 10 ms. A
 10B-token FineWeb (20 GB of uint16) therefore takes about 30 s (10-15 s on a core that hashes at
@@ -26,21 +27,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from data.faults import fault_point
+from base.files import sha256_file, write_atomic
 
 # Bump when the token file layout or what meta.json must record changes, to invalidate old
 # caches. 2: meta.json records each token file's sha256.
 FORMAT_VERSION = 2
 META = "meta.json"
-HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
 ANNOUNCE_BYTES = 1_000_000_000  # verifying more than this (over ~1 s) is announced
 
 
@@ -54,17 +52,6 @@ def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
         {"format": FORMAT_VERSION, "tokenizer": tokenizer, "source": source}, sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """The file's sha256, streamed in ``HASH_CHUNK`` reads (never the whole file in memory)."""
-    h = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -140,24 +127,5 @@ def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any
         return None
 
 
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path``; rename it to ``path`` only if the block succeeds.
-
-    The temporary name includes the pid so concurrent preparations (e.g. several ranks) never
-    write the same file.
-    """
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        fault_point("data.file")  # tests only (data/faults.py): kill -9 here
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    with atomic_path(directory / META) as tmp, open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    write_atomic(directory / META, json.dumps(meta, indent=2))

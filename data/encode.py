@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,7 +108,5 @@ def write_split(
             tokens, nbytes, documents = tokens + len(ids), nbytes + int(size), documents + 1
             if max_tokens is not None and tokens >= max_tokens:
                 break
-        f.flush()
-        os.fsync(f.fileno())
     seconds = time.perf_counter() - start
     return SplitStats(tokens, nbytes, documents, seconds, digest.hexdigest())

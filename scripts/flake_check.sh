@@ -15,7 +15,6 @@ tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
     tests=(
         tests/faults                                   # kill -9 at exact points and at instants
-        tests/data/test_faults.py                      # the fault hook itself
         tests/data/test_prepare.py::test_killed_preparation_is_never_used
         tests/trainer/test_train_cli.py::test_sigterm_saves_a_checkpoint_that_resumes
         tests/trainer/test_loop.py::test_wandb_offline_run_holds_config_and_metrics

@@ -13,9 +13,7 @@ refused attempt never overwrites a run's files:
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import EXIT_USER_ERROR, ConfigError, user_errors
+from base.files import write_atomic
 from checkpoints.store import resume_source, verify_checkpoint, writable_error
 from model import GPTConfig
 from trainer.config import RunConfig
@@ -201,20 +200,9 @@ def write_run_files(
     earlier = out / "overrides.yaml"
     if continues and earlier.is_file():
         overrides = [*OmegaConf.to_container(OmegaConf.load(earlier)), *overrides]
-    _write_atomic(out / "config.yaml", OmegaConf.to_yaml(resolved))
-    _write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(overrides))
-    _write_atomic(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(resolved))
+    write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(overrides))
+    write_atomic(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
 
 
 class ValidateBeforeRunDir(Callback):

@@ -9,7 +9,7 @@ torn by a kill is ignored when the file is read, and a resumed run drops the row
 checkpoint's step (it will log them again): the file never holds a step twice.
 
 loss.png plots train and val loss against tokens seen, with val bpb on a second axis; it is
-redrawn at each evaluation and at the end, written to a temporary file and renamed into place.
+redrawn at each evaluation and at the end, and replaced atomically (base.files.write_atomic).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from base.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -40,18 +42,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """`write(tmp_path)`, then rename over `path`: readers see the old file or the new one.
-    A plain file name (not mkstemp's 0600 file), so the file follows the user's umask."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class MetricsLog:
     """Rank 0's metrics.jsonl and loss.png; a disabled log (other ranks) does nothing."""
 
@@ -68,7 +58,7 @@ class MetricsLog:
         if self.path.exists():  # drop a torn line and the steps a resume will repeat
             text = "".join(json.dumps(r) + "\n" for r in self.rows)
             if self.path.read_text(encoding="utf-8") != text:
-                _atomic_write(self.path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+                write_atomic(self.path, text)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Add values to `step`'s row; names like `val/loss` become `val_loss`."""
@@ -98,7 +88,7 @@ class MetricsLog:
         if not self.enabled:
             return
         rows = self.rows + ([self._pending] if self._pending else [])
-        _atomic_write(self.plot_path, lambda tmp: draw(rows, tmp, self.path.parent.name))
+        write_atomic(self.plot_path, lambda tmp: draw(rows, tmp, self.path.parent.name))
 
 
 def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:

@@ -21,12 +21,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import checkpoints.store as checkpoint_module
+from base.files import sha256_file
 from checkpoints.store import (
     CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
     CheckpointError,
-    _sha256,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -59,7 +59,7 @@ def resign(path: Path) -> None:
     """Rewrite the manifest so that it vouches for every file it lists, as it is now."""
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     for name in manifest:
-        manifest[name] = {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
+        manifest[name] = {"bytes": (path / name).stat().st_size, "sha256": sha256_file(path / name)}
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

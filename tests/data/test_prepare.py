@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,8 +17,7 @@ import pytest
 import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
-from data.cache import InvalidCache, read_valid_meta, sha256_file, verify_prepared
-from data.faults import ENV as FAULT_ENV
+from data.cache import InvalidCache, read_valid_meta, verify_prepared
 from data.text_files import tail_split
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,16 +133,6 @@ def test_a_text_that_cannot_be_cut_is_a_clear_error(texts: list[str], fraction: 
         tail_split(texts, fraction)
 
 
-def test_sha256_file_streams_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blob = os.urandom(2500)
-    (tmp_path / "f").write_bytes(blob)
-    monkeypatch.setattr(data.cache, "HASH_CHUNK", 1000)  # 2.5 chunks: the loop and its tail
-    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read the whole file"))
-    assert sha256_file(tmp_path / "f") == hashlib.sha256(blob).hexdigest()
-    (tmp_path / "empty").write_bytes(b"")
-    assert sha256_file(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
-
-
 def test_meta_records_the_sha256_of_each_token_file(shakespeare: PreparedData) -> None:
     on_disk = json.loads((shakespeare.dir / "meta.json").read_text())
     for split in ("train", "val"):
@@ -231,9 +219,18 @@ def test_a_big_verification_is_announced(
     assert second.startswith(reuse)
 
 
+# Prepares Shakespeare, killing itself with SIGKILL where it would rename <argv[2]> into place:
+# that file is complete under its temporary name, and each file before it is in place.
 PREPARE = """
-import sys
+import os, signal, sys
+from pathlib import Path
 from data import prepare_data
+real = os.replace
+def replace(src, dst):
+    if Path(dst).name == sys.argv[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(src, dst)
+os.replace = replace
 prepare_data({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
 """
 
@@ -243,21 +240,20 @@ prepare_data({"name": "shakespeare", "cache_dir": sys.argv[1]}, verbose=False)
 def test_killed_preparation_is_never_used(
     shakespeare: PreparedData, tmp_path: Path, killed_in: str
 ) -> None:
-    """SIGKILL at an exact point (data/faults.py): each file of the preparation written under
-    its temporary name, before its rename."""
-    n = ["train.bin", "val.bin", "meta.json"].index(killed_in) + 1
+    """SIGKILL at an exact point: each file of the preparation written under its temporary
+    name, before its rename."""
     proc = subprocess.run(
-        [sys.executable, "-c", PREPARE, str(tmp_path)],
+        [sys.executable, "-c", PREPARE, str(tmp_path), killed_in],
         cwd=ROOT,
-        env={**os.environ, FAULT_ENV: f"data.file:{n}"},
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == -9
-    assert proc.stderr.endswith(f"fault: SIGKILL at data.file (data.file:{n})\n")
+    assert proc.returncode == -9, proc.stderr
     out = tmp_path / "shakespeare" / shakespeare.dir.name
-    assert [p.name.rsplit(".", 2)[0] for p in out.glob("*.tmp")] == [killed_in]  # <name>.<pid>.tmp
-    assert not (out / "meta.json").exists()
+    order = ["train.bin", "val.bin", "meta.json"]
+    names = sorted(p.name for p in out.iterdir())
+    assert [n.split(".tmp-")[0] for n in names if ".tmp-" in n] == [f".{killed_in}"]
+    assert [n for n in names if not n.startswith(".")] == order[: order.index(killed_in)]
     assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
     rebuilt = prepare_data({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)
     for split in ("train", "val"):

@@ -1,5 +1,5 @@
-"""kill -9 inside every stage of a checkpoint write, at exact points (CAUSALGPT_FAULT, see
-data/faults.py), and at seeded random instants: every restart with train.resume=auto succeeds,
+"""kill -9 inside every stage of a checkpoint write, at exact points (see `arm` in zygote.py),
+and at seeded random instants: every restart with train.resume=auto succeeds,
 every checkpoint on disk verifies, and no more work is lost than the steps since the last
 checkpoint written before the kill.
 
@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
-from data.faults import ENV as FAULT_ENV
 from tests.trainer.helpers import HANG_SECONDS, TINY
 
 pytestmark = [
@@ -35,7 +34,7 @@ pytestmark = [
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 SEED = 20240917
-# The stages of checkpoints.store's write (data/faults.py says what each leaves on disk), each hit
+# The stages of checkpoints.store's write (zygote.arm says what each leaves on disk), each hit
 # at its 1st, 2nd and 3rd arrival in a process: a `last` or a `best` write, first or not.
 STAGES = ("partial", "complete", "swap", "replaced")
 FAULTS = [f"checkpoint.{stage}:{n}" for n in (1, 2, 3) for stage in STAGES]
@@ -99,13 +98,13 @@ class ForkServer:
         self, args: list[str], out: Path, writer: str = "atomic", fault: str | None = None
     ) -> int:
         """Start `train.py <args>` writing to out.stdout / out.stderr; returns its pid.
-        writer="in_place": the negative control's checkpoint writer (see zygote.py); fault: a
-        CAUSALGPT_FAULT spec, where the process kills itself (data/faults.py)."""
+        writer="in_place": the negative control's checkpoint writer (see zygote.py); fault:
+        `checkpoint.<stage>:<n>`, where the process kills itself (zygote.arm)."""
         request = {"run": args, "stdout": f"{out}.stdout", "stderr": f"{out}.stderr"}
         if writer != "atomic":
             request["writer"] = writer
         if fault is not None:
-            request["env"] = {FAULT_ENV: fault}
+            request["fault"] = fault
         pid = self._ask(request)["pid"]
         self.started.append(pid)
         self.unwaited.add(pid)

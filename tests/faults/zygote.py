@@ -9,8 +9,8 @@ MFU figure: see `child`).
 
 Protocol, one JSON object per line:
     stdin  {"run": [args], "stdout": path, "stderr": path}   stdout  {"pid": pid}
-           (optional: "env": {name: value} set in the child, e.g. CAUSALGPT_FAULT (see
-           data/faults.py); "writer": "in_place", see `write_in_place`)
+           (optional: "fault": "checkpoint.<stage>:<n>", see `arm`; "writer": "in_place",
+           see `write_in_place`)
     stdin  {"wait": pid}                                     stdout  {"returncode": code}
 where code is the exit status, or -N for a child ended by signal N (as subprocess reports it).
 
@@ -36,45 +36,67 @@ TRAIN = str(ROOT / "train.py")
 sys.path.insert(0, str(ROOT))
 
 import hydra  # noqa: E402, F401
-import torch  # noqa: E402
 import torch._dynamo  # noqa: E402, F401 - the first optimizer step imports it: a second or more
-from safetensors.torch import save_file  # noqa: E402
 
 import checkpoints.store  # noqa: E402
 import trainer.cli  # noqa: E402, F401
 import trainer.loop  # noqa: E402
-from data.faults import fault_point  # noqa: E402
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def write_in_place(path, model, run_config, meta, trainer_state, tokenizer_file=None) -> None:
-    """The negative control's checkpoint writer, in place of checkpoints.store's: the same
-    files (fsynced, manifest last) and the same fault point after the first file
-    (checkpoint.partial), but written straight into `path` after deleting the checkpoint there,
-    with no temporary directory and no rename. A kill mid-write tears it."""
-    ckpt = checkpoints.store
+def arm(fault: str) -> None:
+    """Make this process SIGKILL itself at the n-th arrival at one stage of a checkpoint write
+    (`checkpoint.<stage>:<n>`, e.g. checkpoint.swap:2), by wrapping what the write calls:
+        partial    checkpoints.store's save_file returned: the weights written, no manifest
+        complete   the swap's first os.replace is called: every file and the manifest written
+                   and fsynced in the temporary directory, nothing moved yet
+        swap       os.replace moved the previous checkpoint aside: nothing at its path
+        replaced   os.replace renamed the new checkpoint in: the previous one not yet deleted
+    Before dying it writes `fault: SIGKILL at <point> (<fault>)` to stderr. Nothing is timed:
+    the kill lands at the same instant of the write every time."""
+    point, n = fault.rsplit(":", 1)
+    arrivals = 0
+    moved_aside = False  # the write in progress has moved the previous checkpoint aside
+
+    def arrive(stage: str) -> None:
+        nonlocal arrivals
+        if f"checkpoint.{stage}" == point:
+            arrivals += 1
+            if arrivals == int(n):
+                os.write(2, f"fault: SIGKILL at {point} ({fault})\n".encode())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save_file, real_replace = checkpoints.store.save_file, os.replace
+
+    def save_file(*args, **kwargs) -> None:
+        real_save_file(*args, **kwargs)
+        arrive("partial")
+
+    def replace(src, dst) -> None:
+        nonlocal moved_aside
+        src, dst = Path(src), Path(dst)
+        swapping = dst.name.endswith(".old") or ".tmp-" in src.name  # base.files' names
+        if dst.parent.name != "checkpoints" or not swapping:  # another file's rename
+            return real_replace(src, dst)
+        if not moved_aside:
+            arrive("complete")
+        real_replace(src, dst)
+        moved_aside = dst.name.endswith(".old")
+        arrive("swap" if moved_aside else "replaced")
+
+    checkpoints.store.save_file = save_file
+    os.replace = replace
+
+
+def write_in_place(path: Path, fill) -> None:
+    """The negative control's directory writer, in place of base.files.write_dir_atomic in
+    checkpoints.store: the same files written by the same code (checkpoint.partial included),
+    but straight into `path` after deleting the checkpoint there, with no temporary directory
+    and no rename. A kill mid-write tears it."""
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    save_file(ckpt.model_state(model), str(path / ckpt.MODEL_FILE))
-    fault_point("checkpoint.partial")
-    config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
-    (path / ckpt.CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    files = [ckpt.MODEL_FILE, ckpt.CONFIG_FILE]
-    if trainer_state is not None:
-        torch.save(trainer_state, path / ckpt.TRAINER_FILE)
-        files.append(ckpt.TRAINER_FILE)
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, path / ckpt.TOKENIZER_FILE)
-        files.append(ckpt.TOKENIZER_FILE)
-    manifest = {
-        name: {"bytes": (path / name).stat().st_size, "sha256": ckpt._sha256(path / name)}
-        for name in files
-    }
-    (path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-    for name in [*files, ckpt.MANIFEST_FILE]:
-        with open(path / name, "rb") as f:
-            os.fsync(f.fileno())
+    fill(path)
 
 
 def child(server: int, request: dict) -> None:
@@ -92,9 +114,10 @@ def child(server: int, request: dict) -> None:
         # The one change to train.py: no CPU matmul benchmark for the MFU figure, which would
         # cost every one of these short-lived processes a second of its few.
         trainer.loop.peak_flops = lambda precision: (None, "nothing (MFU off in this test)")
-        os.environ.update(request.get("env", {}))
+        if "fault" in request:
+            arm(request["fault"])
         if request.get("writer") == "in_place":
-            checkpoints.store._write_checkpoint = write_in_place
+            checkpoints.store.write_dir_atomic = write_in_place
         sys.argv = [TRAIN, *request["run"]]
         try:
             runpy.run_path(TRAIN, run_name="__main__")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from base.files import sha256_file
 from checkpoints.store import (
     MANIFEST_FILE,
     CheckpointError,
-    _sha256,
     load_checkpoint,
     save_checkpoint,
 )
@@ -189,7 +189,7 @@ def plant(checkpoint: Path, name: str, marker: Path) -> None:
     manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
     manifest[name] = {
         "bytes": (checkpoint / name).stat().st_size,
-        "sha256": _sha256(checkpoint / name),
+        "sha256": sha256_file(checkpoint / name),
     }
     (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
 

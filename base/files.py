@@ -1,0 +1,116 @@
+"""Files and directories written whole or not at all, and a file's sha256.
+
+Everything written for a later reader (prepared data, checkpoints, exports, the run's records,
+the precision cache) goes through `atomic_path`, `write_atomic` or `write_dir_atomic`: written
+under a hidden temporary name next to its destination (`.<name>.tmp-<pid>`: one per process, so
+concurrent writers such as torchrun ranks never share one), fsynced, then renamed into place
+with os.replace, atomic within one file system. A reader, or a run restarted after kill -9 or a
+power cut, finds the previous version or the new one, never part of one. The temporary names
+are plain files and directories (not mkstemp's 0600 or mkdtemp's 0700), so what is written
+follows the umask and teammates can read it where the umask allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
+
+
+def sha256_file(path: str | Path) -> str:
+    """The file's sha256, streamed in `HASH_CHUNK` reads (never the whole file in memory)."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def fsync(path: str | Path) -> None:
+    """Flush a file's or a directory's data (for a directory: its entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write `path`'s new content to; when the block succeeds it is
+    fsynced and renamed to `path`, when it fails it is deleted."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync(path.parent)  # the rename itself survives a power cut
+
+
+def write_atomic(path: str | Path, content: bytes | str | Callable[[Path], object]) -> None:
+    """Replace `path` whole with `content` (text is written as UTF-8), or with what
+    `content(tmp)` writes to the temporary path it is given."""
+    with atomic_path(path) as tmp:
+        if callable(content):
+            content(tmp)
+        else:
+            tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def aside(path: Path) -> Path:
+    """Where `write_dir_atomic` moves the previous directory while it swaps the new one in."""
+    return path.with_name(f".{path.name}.old")
+
+
+def recover_swap(path: str | Path) -> None:
+    """Put the previous directory back if a crash came between the two renames of a swap
+    (moved aside, the new one not yet in). Readers call it before looking at `path`."""
+    path = Path(path)
+    if not path.exists() and aside(path).exists():
+        os.replace(aside(path), path)
+
+
+def write_dir_atomic(path: str | Path, fill: Callable[[Path], object]) -> None:
+    """Replace the directory `path` whole with the files `fill(tmp)` writes into a new empty
+    directory (a flat one: files only).
+
+    The files are given the directory's umask-derived mode (safetensors writes 0600), fsynced,
+    and swapped in by two renames: the previous `path` aside (`aside`), the new one in; the old
+    one is deleted last. At every instant `path` or its aside holds a complete directory, and
+    `recover_swap` puts the aside one back after a crash between the renames. A write that
+    fails leaves `path` as it was and no temporary directory."""
+    path = Path(path)
+    old = aside(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_swap(path)  # before anything could delete `old`, maybe the only complete copy
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        for file in tmp.iterdir():
+            file.chmod(tmp.stat().st_mode & 0o666)
+            fsync(file)
+        fsync(tmp)
+        if old.exists():  # `path` exists (recovered above): `old` is a leftover copy
+            shutil.rmtree(old)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        fsync(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        recover_swap(path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
