@@ -22,7 +22,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from base.errors import EXIT_USER_ERROR
+from base.errors import exit_user_error
 
 
 def hydra_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
@@ -52,8 +52,7 @@ def hydra_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Call
                 except (HydraException, OmegaConfBaseException, ValueError) as e:
                     if any(e is r for r in raised_by_task):
                         raise
-                    print(f"error: {describe(e)}", file=sys.stderr)
-                    sys.exit(EXIT_USER_ERROR)
+                    exit_user_error(describe(e))
 
         return main
 

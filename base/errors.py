@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 EXIT_USER_ERROR = 2
 
@@ -22,18 +23,16 @@ class ConfigError(ValueError):
 USER_ERRORS = (ValueError, OSError)
 
 
-def report_user_error(error: BaseException) -> int:
-    """Print `error` as one `error: <message>` line on stderr; return the exit code."""
-    message = " ".join(str(error).splitlines()) or type(error).__name__
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_USER_ERROR
+def exit_user_error(message: str) -> NoReturn:
+    """The one way out for a user mistake: `error: <message>` as one line on stderr, exit 2."""
+    print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A user mistake inside the block exits with `error: <message>` and code 2, without a
-    traceback."""
+    """A user mistake inside the block exits through `exit_user_error`, without a traceback."""
     try:
         yield
     except USER_ERRORS as e:
-        sys.exit(report_user_error(e))
+        exit_user_error(str(e) or type(e).__name__)

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 
-from base.errors import USER_ERRORS, report_user_error
+from base.errors import user_errors
 from data.config import CONFIG_DIR, known_datasets
 from data.errors import DataError
 from data.pipeline import prepare_data
@@ -34,10 +34,8 @@ def _compose(overrides: list[str]) -> DictConfig:
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare one dataset and end with a one-line JSON summary."""
     start = time.perf_counter()
-    try:
+    with user_errors():
         data = prepare_data(_compose(sys.argv[1:] if argv is None else argv).data)
-    except USER_ERRORS as e:
-        return report_user_error(e)
     summary = {"dataset": data.meta["dataset"]}
     splits = data.meta["splits"]
     for split, stats in splits.items():

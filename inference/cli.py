@@ -15,7 +15,7 @@ import tiktoken
 import torch
 
 from base.checks import check, is_int
-from base.errors import USER_ERRORS, report_user_error
+from base.errors import user_errors
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
 from data.text_files import read_utf8
@@ -137,12 +137,11 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
 
 
 def main(cfg: Mapping[str, Any]) -> int:
-    """Run; report a user mistake as one `error:` line on stderr. Returns the exit code."""
-    try:
-        run(cfg)
-    except USER_ERRORS as e:  # CheckpointError, DataError, ConfigError, a missing file
-        return report_user_error(e)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
+    """Run; a user mistake exits 2 with one `error:` line. Returns the exit code."""
+    with user_errors():
+        try:
+            run(cfg)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
     return 0

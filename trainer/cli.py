@@ -13,7 +13,6 @@ refused attempt never overwrites a run's files:
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import EXIT_USER_ERROR, ConfigError, user_errors
+from base.errors import ConfigError, exit_user_error, user_errors
 from base.files import write_atomic
 from checkpoints.store import resume_source, verify_checkpoint, writable_error
 from model import GPTConfig
@@ -223,9 +222,7 @@ class ValidateBeforeRunDir(Callback):
 
 def _check_writable(directory: str, key: str) -> None:
     if (reason := writable_error(directory)) is not None:
-        print(
-            f"error: cannot write to the run directory {Path(directory).absolute()}: {reason}; "
-            f"set {key} to a writable directory",
-            file=sys.stderr,
+        exit_user_error(
+            f"cannot write to the run directory {Path(directory).absolute()}: {reason}; "
+            f"set {key} to a writable directory"
         )
-        sys.exit(EXIT_USER_ERROR)

@@ -134,7 +134,9 @@ def test_the_attention_plot_is_written(run_dir, sample_cfg, tmp_path):
 
 def errors_of(cfg, capsys) -> str:
     """Run main(cfg); assert it failed as a user mistake; return the error line."""
-    assert main(cfg) == 2
+    with pytest.raises(SystemExit) as exited:
+        main(cfg)
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     return err
