@@ -48,3 +48,17 @@ def test_the_checker_reports_broken_links():
 
 def test_readme_is_at_most_300_lines():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
+
+
+def unnamed_modules(text: str) -> list[str]:
+    """The library's modules (package/module.py, no __init__) that `text` does not name."""
+    packages = [p.parent for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"]
+    modules = [m for p in packages for m in p.glob("*.py") if m.name != "__init__.py"]
+    return sorted(
+        str(m.relative_to(ROOT)) for m in modules if f"`{m.parent.name}/{m.name}`" not in text
+    )
+
+
+def test_architecture_md_names_every_module():
+    assert unnamed_modules((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")) == []
+    assert "model/gpt.py" in unnamed_modules("`model/attention.py`")  # negative control
