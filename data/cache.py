@@ -119,13 +119,5 @@ def verify_prepared(
     return meta
 
 
-def read_valid_meta(directory: Path, expected_fingerprint: str) -> dict[str, Any] | None:
-    """:func:`verify_prepared`, with None for a missing or failing preparation."""
-    try:
-        return verify_prepared(directory, expected_fingerprint)
-    except (FileNotFoundError, InvalidCache):
-        return None
-
-
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
     write_atomic(directory / META, json.dumps(meta, indent=2))

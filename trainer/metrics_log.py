@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,28 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+class StepRows:
+    """Gathers the metrics of one step, which may arrive in several calls, into one row, handed
+    to `emit(step, row)` when a call for another step comes or at `flush()`."""
+
+    def __init__(self, emit: Callable[[int, dict[str, Any]], None]):
+        self.emit = emit
+        self.step: int | None = None  # the step of `row`, None when nothing is pending
+        self.row: dict[str, Any] = {}
+
+    def add(self, metrics: dict[str, Any], step: int) -> None:
+        if self.step is not None and step != self.step:
+            self.flush()
+        self.row.update(metrics)
+        self.step = step
+
+    def flush(self) -> None:
+        """Emit the pending row, if any."""
+        if self.step is not None:
+            self.emit(self.step, self.row)
+        self.step, self.row = None, {}
+
+
 class MetricsLog:
     """Rank 0's metrics.jsonl and loss.png; a disabled log (other ranks) does nothing."""
 
@@ -51,7 +74,7 @@ class MetricsLog:
         self.tokens_per_step = tokens_per_step
         self.enabled = enabled
         self.rows: list[dict[str, Any]] = []
-        self._pending: dict[str, Any] | None = None  # the current step's row, not yet written
+        self._pending = StepRows(self._write)  # the current step's values, not yet written
         if not enabled:
             return
         self.rows = [r for r in read_metrics(self.path) if r["step"] <= step]
@@ -62,32 +85,30 @@ class MetricsLog:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Add values to `step`'s row; names like `val/loss` become `val_loss`."""
-        if not self.enabled:
-            return
-        if self._pending is not None and self._pending["step"] != step:
-            self._write()
-        if self._pending is None:
-            self._pending = {"step": step, "tokens": step * self.tokens_per_step}
-        self._pending.update({k.replace("/", "_"): v for k, v in metrics.items()})
+        if self.enabled:
+            self._pending.add({k.replace("/", "_"): v for k, v in metrics.items()}, step)
 
-    def _write(self) -> None:
+    def _row(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
+        return {"step": step, "tokens": step * self.tokens_per_step, **values}
+
+    def _write(self, step: int, values: dict[str, Any]) -> None:
+        row = self._row(step, values)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(self._pending) + "\n")
+            f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self.rows.append(self._pending)
-        self._pending = None
+        self.rows.append(row)
 
     def close(self) -> None:
         """Write the last row (at the end of the run, or when it stops)."""
-        if self.enabled and self._pending is not None:
-            self._write()
+        self._pending.flush()
 
     def plot(self) -> None:
         """Redraw loss.png from every row so far (the current step's included)."""
         if not self.enabled:
             return
-        rows = self.rows + ([self._pending] if self._pending else [])
+        pending = self._pending
+        rows = self.rows + ([] if pending.step is None else [self._row(pending.step, pending.row)])
         write_atomic(self.plot_path, lambda tmp: draw(rows, tmp, self.path.parent.name))
 
 

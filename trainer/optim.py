@@ -146,11 +146,6 @@ def lr_scale(
     return 1.0 if progress == 0.0 else floor + (1.0 - progress) * (1.0 - floor)
 
 
-def lr_at(step: int, settings: OptimSettings, max_steps: int, time_fraction: float = 0.0) -> float:
-    """The AdamW learning rate (peak optim.lr) at `step`: see `lr_scale`."""
-    return settings.lr * lr_scale(step, settings, max_steps, time_fraction)
-
-
 def set_lr(optimizer: torch.optim.Optimizer, scale: float) -> None:
     """Every group's rate to its peak (`base_lr`) times the schedule's `scale`."""
     for group in optimizer.param_groups:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import WandbSettings
+from trainer.metrics_log import StepRows
 
 MODES = ("online", "offline", "disabled")
 
@@ -42,8 +43,7 @@ class Tracker:
         enabled: bool = True,
     ):
         self.run = None
-        self._pending: dict[str, Any] = {}  # metrics of the current step, sent as one row
-        self._pending_step: int | None = None
+        self._pending = StepRows(self._send)  # metrics of the current step, sent as one row
         self.mode = resolve_mode(settings.mode) if enabled else "disabled"
         if self.mode == "disabled":
             return
@@ -86,17 +86,12 @@ class Tracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Metrics of one step may come in several calls; they reach wandb as one history row
         when the step changes or the run finishes."""
-        if self.run is None:
-            return
-        if self._pending_step is not None and step != self._pending_step:
-            self._flush()
-        self._pending.update(metrics)
-        self._pending_step = step
+        if self.run is not None:
+            self._pending.add(metrics, step)
 
-    def _flush(self) -> None:
-        if self._pending:
-            self.run.log(self._pending, step=self._pending_step)
-        self._pending = {}
+    def _send(self, step: int, row: dict[str, Any]) -> None:
+        if row:
+            self.run.log(row, step=step)
 
     def log_samples(self, samples: list[tuple[str, str]], step: int) -> None:
         """A table of (prompt, completion) rows."""
@@ -112,6 +107,6 @@ class Tracker:
 
     def finish(self, exit_code: int = 0) -> None:
         if self.run:
-            self._flush()
+            self._pending.flush()
             self.run.finish(exit_code=exit_code)
             self.run = None

@@ -13,7 +13,7 @@ import regex
 import data.pipeline
 from data import DataError, PreparedData, get_tokenizer, load_tokenizer, prepare_data
 from data.bpe import BPE, PATTERN, train_bpe
-from data.cache import read_valid_meta
+from data.cache import InvalidCache, verify_prepared
 from data.shakespeare import VAL_PLAYS, play_files
 from data.tokenizer import TOKENIZER_FILE, parse_tokenizer
 from tests.data.test_tokenizer import TRICKY
@@ -284,7 +284,8 @@ def test_a_damaged_tokenizer_file_invalidates_the_cache(toy: dict) -> None:
     first = prepare_data(toy, verbose=False)
     good = first.tokenizer_file.read_bytes()
     first.tokenizer_file.write_bytes(good.replace(b'"20"', b'"21"', 1))
-    assert read_valid_meta(first.dir, first.meta["fingerprint"]) is None
+    with pytest.raises(InvalidCache, match=f"{TOKENIZER_FILE} fails its sha256 check"):
+        verify_prepared(first.dir, first.meta["fingerprint"])
     again = prepare_data(toy, verbose=False)
     assert again.dir == first.dir and again.tokenizer_file.read_bytes() == good
 

@@ -17,7 +17,7 @@ import pytest
 import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
-from data.cache import InvalidCache, read_valid_meta, verify_prepared
+from data.cache import InvalidCache, verify_prepared
 from data.text_files import tail_split
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,6 @@ def test_a_flipped_byte_is_detected_and_rebuilt(
     assert path.stat().st_size == size
     with pytest.raises(InvalidCache, match=rf"^{re.escape(str(path))} fails its sha256 check"):
         verify_prepared(out, shakespeare.meta["fingerprint"])
-    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
     rebuilt = prepare_data(cfg, verbose=False)
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("shakespeare:")]
     assert line.startswith(f"shakespeare: {path} fails its sha256 check")
@@ -174,7 +173,6 @@ def test_a_truncated_token_file_is_detected_and_rebuilt(
     message = f"{path} has 100 bytes but meta.json records {recorded:,} (truncated or overwritten)"
     with pytest.raises(InvalidCache, match=f"^{re.escape(message)}$"):
         verify_prepared(out, shakespeare.meta["fingerprint"])
-    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
     assert np.array_equal(prepare_data(cfg, verbose=False).tokens("val"), shakespeare.tokens("val"))
     assert f"shakespeare: {message}; rebuilding" in capsys.readouterr().err
 
@@ -254,7 +252,8 @@ def test_killed_preparation_is_never_used(
     names = sorted(p.name for p in out.iterdir())
     assert [n.split(".tmp-")[0] for n in names if ".tmp-" in n] == [f".{killed_in}"]
     assert [n for n in names if not n.startswith(".")] == order[: order.index(killed_in)]
-    assert read_valid_meta(out, shakespeare.meta["fingerprint"]) is None
+    with pytest.raises(FileNotFoundError):  # no meta.json: never used
+        verify_prepared(out, shakespeare.meta["fingerprint"])
     rebuilt = prepare_data({"name": "shakespeare", "cache_dir": str(tmp_path)}, verbose=False)
     for split in ("train", "val"):
         assert np.array_equal(rebuilt.tokens(split), shakespeare.tokens(split))

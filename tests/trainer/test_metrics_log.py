@@ -111,3 +111,26 @@ def test_a_run_records_every_logged_step_and_a_resume_continues_the_file(tmp_pat
     assert [r["step"] for r in rows if "val_loss" in r] == [6, 12]
     assert rows[-1]["final_val_loss"] == pytest.approx(summary["val_loss"], abs=1e-4)
     assert rows[-1]["final_val_bpb"] == pytest.approx(summary["val_bpb"], abs=1e-4)
+
+
+def test_the_plot_includes_the_pending_row(tmp_path, monkeypatch):
+    drawn = []
+
+    def draw(rows, path, title):
+        drawn.append(rows)
+        path.write_bytes(PNG_MAGIC)
+
+    monkeypatch.setattr("trainer.metrics_log.draw", draw)
+    log = MetricsLog(tmp_path, tokens_per_step=100, step=0)
+    log_steps(log, range(1, 3))  # step 2 (with its evaluation) is not written yet
+    log.plot()
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1]
+    (rows,) = drawn
+    assert rows[-1] == {
+        "step": 2,
+        "tokens": 200,
+        "train_loss": 8.0,
+        "train_lr": 1e-3,
+        "val_loss": 9.0,
+        "val_bpb": 3.0,
+    }

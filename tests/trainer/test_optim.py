@@ -15,12 +15,14 @@ from trainer.config import ConfigError, OptimSettings
 from trainer.distributed import load_optimizer_state
 from trainer.loop import Trainer
 from trainer.muon import Muon, zeropower_via_newtonschulz5
-from trainer.optim import build_optimizer, is_block_matrix, lr_at, lr_scale, param_groups, set_lr
+from trainer.optim import build_optimizer, is_block_matrix, lr_scale, param_groups, set_lr
 
 
 def schedule(max_steps: int, **kw) -> list[float]:
+    """Every step's rate at a peak of 1.0, where the schedule's scale is the rate itself (so too
+    in the tests below that set lr=1.0)."""
     settings = OptimSettings(**{"lr": 1.0, "min_lr": 0.1, **kw})
-    return [lr_at(s, settings, max_steps) for s in range(max_steps)]
+    return [lr_scale(s, settings, max_steps) for s in range(max_steps)]
 
 
 def test_warmup_is_linear_then_cosine_reaches_min_lr_at_the_last_step():
@@ -115,40 +117,41 @@ def test_a_bad_embed_lr_names_its_key(value):
 def test_time_budget_ends_the_cosine_even_when_max_steps_is_far_away():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=10)
     far = 1_000_000  # a 300-second speedrun with max_steps set high
-    assert lr_at(500, settings, far, time_fraction=0.0) == pytest.approx(1.0, abs=1e-4)
-    assert lr_at(500, settings, far, time_fraction=0.5) == pytest.approx(0.55, abs=1e-4)
-    assert lr_at(500, settings, far, time_fraction=1.0) == pytest.approx(0.1)
-    lrs = [lr_at(500, settings, far, time_fraction=t / 100) for t in range(101)]
+    assert lr_scale(500, settings, far, time_fraction=0.0) == pytest.approx(1.0, abs=1e-4)
+    assert lr_scale(500, settings, far, time_fraction=0.5) == pytest.approx(0.55, abs=1e-4)
+    assert lr_scale(500, settings, far, time_fraction=1.0) == pytest.approx(0.1)
+    lrs = [lr_scale(500, settings, far, time_fraction=t / 100) for t in range(101)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_the_further_along_of_steps_and_time_sets_the_progress():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0)
-    assert lr_at(99, settings, 100, time_fraction=0.1) == pytest.approx(0.1)  # steps are done
-    assert lr_at(0, settings, 100, time_fraction=1.0) == pytest.approx(0.1)  # time is up
-    assert lr_at(0, settings, 100, time_fraction=7.0) == lr_at(0, settings, 100, 1.0)  # clamped
-    assert lr_at(50, settings, 101, time_fraction=-1.0) == lr_at(50, settings, 101)
+    assert lr_scale(99, settings, 100, time_fraction=0.1) == pytest.approx(0.1)  # steps are done
+    assert lr_scale(0, settings, 100, time_fraction=1.0) == pytest.approx(0.1)  # time is up
+    time_up = lr_scale(0, settings, 100, 1.0)
+    assert lr_scale(0, settings, 100, time_fraction=7.0) == time_up  # clamped
+    assert lr_scale(50, settings, 101, time_fraction=-1.0) == lr_scale(50, settings, 101)
 
 
 def test_warmup_is_counted_in_steps_even_when_time_is_up():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=10)
-    assert lr_at(4, settings, 1000, time_fraction=1.0) == pytest.approx(0.5)
+    assert lr_scale(4, settings, 1000, time_fraction=1.0) == pytest.approx(0.5)
 
 
 def test_wsd_decays_over_the_last_fraction_of_the_time_budget():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="wsd")
     far = 1_000_000
-    assert lr_at(10, settings, far, time_fraction=0.79) == 1.0  # still stable
-    assert lr_at(10, settings, far, time_fraction=0.9) == pytest.approx(0.55)  # half-way down
-    assert lr_at(10, settings, far, time_fraction=1.0) == pytest.approx(0.1)
+    assert lr_scale(10, settings, far, time_fraction=0.79) == 1.0  # still stable
+    assert lr_scale(10, settings, far, time_fraction=0.9) == pytest.approx(0.55)  # half-way down
+    assert lr_scale(10, settings, far, time_fraction=1.0) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("time_fraction", [0.0, 0.5, 1.0])
 def test_wsd_decay_fraction_edges(time_fraction):
     never = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="wsd", decay_fraction=0.0)
-    assert [lr_at(s, never, 10, time_fraction) for s in range(2, 10)] == [1.0] * 8
+    assert [lr_scale(s, never, 10, time_fraction) for s in range(2, 10)] == [1.0] * 8
     whole = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="wsd", decay_fraction=1.0)
-    lrs = [lr_at(s, whole, 10, time_fraction) for s in range(2, 10)]  # decays right after warmup
+    lrs = [lr_scale(s, whole, 10, time_fraction) for s in range(2, 10)]  # decays right after warmup
     assert lrs[-1] == pytest.approx(0.1)
     if time_fraction == 0.0:
         assert lrs[0] == 1.0
@@ -157,7 +160,7 @@ def test_wsd_decay_fraction_edges(time_fraction):
 
 def test_constant_schedule_ignores_the_clock():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="constant")
-    assert lr_at(5, settings, 100, time_fraction=1.0) == 1.0
+    assert lr_scale(5, settings, 100, time_fraction=1.0) == 1.0
 
 
 @pytest.mark.parametrize("time_fraction", [0.0, 0.3, 1.0])
@@ -189,7 +192,7 @@ def test_every_group_follows_the_schedule_from_its_own_peak_rate():
     scale = lr_scale(30, settings, 100)
     set_lr(optimizer, scale)
     adamw_decay, adamw_no_decay, muon = optimizer.param_groups
-    assert adamw_decay["lr"] == adamw_no_decay["lr"] == lr_at(30, settings, 100)
+    assert adamw_decay["lr"] == adamw_no_decay["lr"] == settings.lr * scale
     assert muon["lr"] == pytest.approx(0.02 * scale)
     set_lr(optimizer, lr_scale(99, settings, 100))  # the end: each at its floor
     assert muon["lr"] == pytest.approx(0.02 * 1e-4 / 1e-3)

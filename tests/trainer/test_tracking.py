@@ -20,3 +20,31 @@ def test_a_second_tracker_gets_its_own_run_while_the_first_is_still_open(tmp_pat
     finally:
         second.finish()
         first.finish()
+
+
+class RecordingRun:
+    def __init__(self):
+        self.rows: list[tuple[dict, int]] = []
+
+    def log(self, row, step):
+        self.rows.append((dict(row), step))
+
+    def finish(self, exit_code):
+        self.rows.append(("finished", exit_code))
+
+
+def test_the_metrics_of_a_step_reach_wandb_as_one_row_when_the_next_step_begins(tmp_path):
+    tracker = Tracker(WandbSettings(mode="disabled"), tmp_path, {})
+    run = tracker.run = RecordingRun()  # as wandb.init would give
+    tracker.log({"train/loss": 3.0}, 1)
+    tracker.log({"train/loss": 2.0}, 2)
+    tracker.log({"val/loss": 2.5}, 2)  # the evaluation of step 2
+    assert run.rows == [({"train/loss": 3.0}, 1)]
+    tracker.log({"train/loss": 1.0}, 3)
+    tracker.finish(exit_code=0)
+    assert run.rows == [
+        ({"train/loss": 3.0}, 1),
+        ({"train/loss": 2.0, "val/loss": 2.5}, 2),
+        ({"train/loss": 1.0}, 3),
+        ("finished", 0),
+    ]
