@@ -11,11 +11,13 @@ so that they stop at the same step, and rank 0 alone prints, logs and writes che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shlex
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.step_health import Verdict, step_verdict
 from trainer.tracking import Tracker
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
 SAMPLE_PY = Path(__file__).resolve().parents[1] / "sample.py"
 TRAIN_PY = SAMPLE_PY.with_name("train.py")
@@ -91,37 +94,15 @@ class TrainState:
             setattr(self, key, value)
 
 
-class _Throughput:
-    """Tokens per second over the steps since the last `restart`."""
-
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step = tokens_per_step
-        self.restart()
-
-    def restart(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
-
-    def tokens_per_s(self) -> float:
-        return self.steps * self.tokens_per_step / (time.perf_counter() - self.start)
-
-
-class _StopSignals:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def __enter__(self) -> _StopSignals:
-        self._previous = {
-            s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)
-        }
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
+@contextlib.contextmanager
+def stop_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM as a flag the loop checks between steps: the received signals."""
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _: received.append(n)) for s in STOP_SIGNALS}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
             signal.signal(s, handler)
 
 
@@ -361,8 +342,8 @@ class Trainer:
         self._announce()
         exit_code = 1
         try:
-            with _StopSignals() as stop:
-                self._loop(stop)
+            with stop_signals() as received:
+                self._loop(received)
             summary = self._finish()
             exit_code = 0
         finally:
@@ -377,29 +358,30 @@ class Trainer:
         self._report(summary)
         return summary
 
-    def _loop(self, stop: _StopSignals) -> None:
+    def _loop(self, received: list[int]) -> None:
         cfg, state = self.cfg.train, self.state
         loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
-        throughput = _Throughput(self.tokens_per_step)
+        timed_from, timed_steps = time.perf_counter(), 0  # tokens/s is timed_steps over this
         first_step = state.step
-        signum, out_of_time = self._stop_requested(stop)
+        signum, out_of_time = self._stop_requested(received)
         while state.step < cfg.max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
-            throughput.steps += 1
+            timed_steps += 1
             state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
             logged = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
-            signum, out_of_time = self._stop_requested(stop, agree=logged)
+            signum, out_of_time = self._stop_requested(received, agree=logged)
             if state.step == first_step + 1 and not logged:  # compiling is not training speed
-                throughput.restart()
+                timed_from, timed_steps = time.perf_counter(), 0
             if logged:
-                self._log(loss, grad_norm, throughput.tokens_per_s())
+                seconds = time.perf_counter() - timed_from
+                self._log(loss, grad_norm, timed_steps * self.tokens_per_step / seconds)
             if cfg.eval_interval and state.step % cfg.eval_interval == 0:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.checkpoints.save_periodic(self.model, self._meta(), self.stateful)
             if logged:
-                throughput.restart()  # tokens/s measures training: evaluations and saves excluded
+                timed_from, timed_steps = time.perf_counter(), 0  # no evaluation or save in it
             if signum:
                 self._interrupted(signum)
 
@@ -419,7 +401,7 @@ class Trainer:
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
 
-    def _stop_requested(self, stop: _StopSignals, agree: bool = True) -> tuple[int, bool]:
+    def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
         signal or clock on any one of them stops every rank after the same step. Under torchrun
         the ranks agree at logged steps only (`agree`), so that no other step waits on a
@@ -428,7 +410,7 @@ class Trainer:
             return 0, False
         budget = self.cfg.train.max_seconds
         late = budget is not None and self.state.elapsed >= budget
-        signum, late = all_reduce_max([stop.signum or 0, late], self.device)
+        signum, late = all_reduce_max([received[-1] if received else 0, late], self.device)
         return int(signum), bool(late)
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:

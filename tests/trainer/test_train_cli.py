@@ -31,9 +31,10 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path
     assert load_checkpoint(run_dir / "checkpoints" / "best").meta["step"] in (6, 12)
     assert "warn" not in (result.stdout + result.stderr).lower()
     assert "Traceback" not in result.stderr
-    # no train.log (the run's record is metrics.jsonl and loss.png) and no lock left behind
+    # no train.log (the run's record is metrics.jsonl and loss.png); the lock file stays, and
+    # with the process gone nobody holds it (tests/trainer/test_run_lock.py)
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == [".hydra", "checkpoints", "loss.png", "metrics.jsonl"]
+    assert names == [".hydra", ".run.lock", "checkpoints", "loss.png", "metrics.jsonl"]
     saved = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
     assert saved == load_checkpoint(run_dir / "checkpoints" / "last").run_config
     assert list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == [*TINY, *corpus]
