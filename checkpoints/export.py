@@ -7,7 +7,8 @@
     README.md                              a model card: data, steps, validation bpb
 
 Only exact equivalents are exported: each mapping computes the same logits as our model (tests
-check it against transformers). An option without one fails in one line naming it.
+check it against transformers). An option without one fails in one line naming it. What each
+GPTConfig field becomes is checkpoints.hf.FIELDS, the table the GPT-2 import reads too.
 
 The export is written into a temporary sibling directory and swapped into place
 (base.files.write_dir_atomic), so `out` never holds half an export.
@@ -25,21 +26,15 @@ from safetensors.torch import save_file
 
 from base.errors import ConfigError
 from base.files import write_dir_atomic
+from checkpoints.hf import FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.sources import load_source
 from checkpoints.store import Checkpoint, find_checkpoint
 from data.tokenizer import GPT2_N_VOCAB, gpt2_bpe_files
 from model import GPT, GPTConfig
 
 EOT = "<|endoftext|>"
-# The options each transformers architecture reproduces; any other value has no equivalent.
-GPT2_OPTIONS = dict(
-    pos_embedding="learned", norm="layernorm", mlp="gelu", qk_norm=False, logit_softcap=None
-)
-LLAMA_OPTIONS = dict(
-    pos_embedding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=False, logit_softcap=None
-)
-LAYERNORM_EPS = 1e-5  # nn.LayerNorm's default, which our layernorm uses
-RMSNORM_EPS = 1e-6  # model/norm.py
+# transformers' class of each architecture, by its column in checkpoints.hf.FIELDS
+ARCHITECTURES = dict(gpt2="GPT2LMHeadModel", llama="LlamaForCausalLM")
 
 
 def export_checkpoint(cfg: dict[str, Any]) -> Path:
@@ -72,11 +67,9 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
         )
     model = ckpt.model.float().cpu()
     config = model.config
-    architecture = _architecture(config)
-    if architecture == "GPT2LMHeadModel":
-        hf_config, state = _gpt2_config(config), _gpt2_state(model)
-    else:
-        hf_config, state = _llama_config(config), _llama_state(model)
+    kind = _architecture(config)
+    hf_config = _hf_config(config, kind)
+    state = _gpt2_state(model) if kind == "gpt2" else _llama_state(model)
     n_vocab = ckpt.tokenizer().n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
     if config.vocab_size > n_vocab:  # the padding rows are never drawn nor trained: dropped
         hf_config["vocab_size"] = n_vocab
@@ -97,56 +90,41 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
             "add_prefix_space": False,
         },
         "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT},
-        "README.md": model_card(ckpt, architecture),
+        "README.md": model_card(ckpt, ARCHITECTURES[kind]),
     }
 
 
 def _architecture(config: GPTConfig) -> str:
-    """GPT2LMHeadModel or LlamaForCausalLM, chosen by pos_embedding; else a ConfigError naming
-    the first option the chosen one cannot reproduce."""
-    name, options = ("GPT2LMHeadModel", GPT2_OPTIONS)
-    if config.pos_embedding == "rope":
-        name, options = ("LlamaForCausalLM", LLAMA_OPTIONS)
-    for key, value in options.items():
-        if getattr(config, key) != value:
+    """The architecture, "gpt2" or "llama", chosen by pos_embedding; else a ConfigError naming
+    the first option (in FIELDS' order) that it cannot reproduce."""
+    kind = "llama" if config.pos_embedding == "rope" else "gpt2"
+    for name, need in needs(kind).items():
+        if (value := getattr(config, name)) != need:
             raise ConfigError(
-                f"model.{key}={getattr(config, key)!r} has no equivalent in transformers' "
-                f"{name} (which pos_embedding={config.pos_embedding} maps to): export supports "
-                "GPT-2's architecture and rope + rmsnorm + swiglu (Llama) without qk_norm or "
-                "logit_softcap"
+                f"model.{name}={value!r} has no equivalent in transformers' "
+                f"{ARCHITECTURES[kind]} (which pos_embedding={config.pos_embedding} maps to): "
+                "export supports GPT-2's architecture and rope + rmsnorm + swiglu (Llama) "
+                "without qk_norm or logit_softcap"
             )
-    return name
+    return kind
 
 
-def _common_config(config: GPTConfig, architecture: str, model_type: str) -> dict[str, Any]:
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
+def _hf_config(config: GPTConfig, kind: str) -> dict[str, Any]:
+    """config.json: each field's keys (FIELDS) and the fixed keys (HF_FIXED) of `kind`."""
+    hf_config = {
+        "architectures": [ARCHITECTURES[kind]],
+        **{key: accepted[0] for key, accepted in HF_FIXED[kind].items()},
         "bos_token_id": GPT2_N_VOCAB - 1,
         "eos_token_id": GPT2_N_VOCAB - 1,
-        "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": "float32",
-    }
-
-
-def _gpt2_config(config: GPTConfig) -> dict[str, Any]:
-    return {
-        **_common_config(config, "GPT2LMHeadModel", "gpt2"),
-        "n_positions": config.block_size,
-        "n_ctx": config.block_size,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": config.mlp_hidden,
-        "activation_function": "gelu_new",  # GELU's tanh approximation, as ours
-        "layer_norm_epsilon": LAYERNORM_EPS,
-        "resid_pdrop": config.dropout,
-        "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout,
-        "scale_attn_weights": True,
         "initializer_range": 0.02,
     }
+    for name, field in FIELDS.items():
+        hf_config.update(dict.fromkeys(hf_keys(name, kind), getattr(config, field.via or name)))
+    if kind == "llama":  # rope_theta for transformers < 5, rope_parameters for 5
+        hf_config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_base}
+        hf_config["head_dim"] = config.head_size
+    return hf_config
 
 
 def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
@@ -161,27 +139,6 @@ def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
         if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             state[name] = w.t()  # (out, in) -> Conv1D's (in, out)
     return state
-
-
-def _llama_config(config: GPTConfig) -> dict[str, Any]:
-    return {
-        **_common_config(config, "LlamaForCausalLM", "llama"),
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.mlp_hidden,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_head,
-        "head_dim": config.head_size,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.block_size,
-        "rms_norm_eps": RMSNORM_EPS,
-        "rope_theta": config.rope_base,  # transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
-        "attention_bias": config.bias,
-        "mlp_bias": config.bias,
-        "attention_dropout": config.dropout,
-        "initializer_range": 0.02,
-    }
 
 
 def _llama_state(model: GPT) -> dict[str, torch.Tensor]:

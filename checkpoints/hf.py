@@ -1,4 +1,5 @@
-"""Load GPT-2 weights in the Hugging Face layout (`GPT2LMHeadModel`) into our GPT.
+"""Load GPT-2 weights in the Hugging Face layout (`GPT2LMHeadModel`) into our GPT; FIELDS, what
+each GPTConfig field is in transformers' GPT-2 and Llama, for this import and for export.py.
 
 Our module names follow GPT-2's, so the only differences are HF's `Conv1D` layers, which store
 weights as (in, out) and must be transposed, and buffers (`attn.bias`, `attn.masked_bias`) that
@@ -21,29 +22,92 @@ from model.gpt import GPT
 from model.weights import read_safetensors_header, stored_shapes
 
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# The GPTConfig values of GPT-2's architecture (GPTConfig's defaults): any other value of one of
-# these changes the weights' meaning or shapes, so GPT-2's weights cannot be loaded with it.
-GPT2_ARCHITECTURE = dict(
-    pos_embedding="learned",
-    norm="layernorm",
-    qk_norm=False,
-    mlp="gelu",
-    mlp_ratio=4,
-    logit_softcap=None,
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """The only value of a GPTConfig field that an architecture computes: any other value has no
+    equivalent there (refused on export and on import)."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """How one GPTConfig field crosses to transformers' GPT-2 (GPT2LMHeadModel) and Llama
+    (LlamaForCausalLM): a tuple of the config.json keys that hold its value (of `via`, if set);
+    Need(value); or () for no key, where the weights alone carry it (GPT-2 without biases: zero
+    biases) or it changes how or when we compute, not what (nothing to export or to check)."""
+
+    gpt2: tuple[str, ...] | Need
+    llama: tuple[str, ...] | Need
+    via: str | None = None  # the GPTConfig attribute exported instead of the field itself
+
+
+# Every GPTConfig field, classified once: export (checkpoints/export.py) and import (below) read
+# only this table, and tests/checkpoints/test_hf.py fails on a field that is missing from it.
+FIELDS = dict(
+    vocab_size=Field(("vocab_size",), ("vocab_size",)),
+    block_size=Field(("n_positions", "n_ctx"), ("max_position_embeddings",)),
+    n_layer=Field(("n_layer",), ("num_hidden_layers",)),
+    n_head=Field(("n_head",), ("num_attention_heads", "num_key_value_heads")),
+    n_embd=Field(("n_embd",), ("hidden_size",)),
+    dropout=Field(("resid_pdrop", "embd_pdrop", "attn_pdrop"), ("attention_dropout",)),
+    bias=Field((), ("attention_bias", "mlp_bias")),
+    attention=Field((), ()),  # the kernel: the same function
+    tie_embeddings=Field(("tie_word_embeddings",), ("tie_word_embeddings",)),
+    flash_block_q=Field((), ()),
+    flash_block_k=Field((), ()),
+    pos_embedding=Field(Need("learned"), Need("rope")),
+    rope_base=Field((), ("rope_theta",)),  # GPT-2: learned positions, no rotation
+    norm=Field(Need("layernorm"), Need("rmsnorm")),
+    qk_norm=Field(Need(False), Need(False)),
+    mlp=Field(Need("gelu"), Need("swiglu")),
+    mlp_ratio=Field(("n_inner",), ("intermediate_size",), via="mlp_hidden"),
+    logit_softcap=Field(Need(None), Need(None)),
+    zero_init_proj=Field((), ()),  # initialization only: loaded weights replace it
+)
+# config.json keys that no field sets, with the values our GPT computes with (export writes the
+# first); a present key with another value is refused on import (silently other logits otherwise).
+HF_FIXED = dict(
+    gpt2=dict(
+        model_type=("gpt2",),
+        activation_function=("gelu_new", "gelu_pytorch_tanh"),  # GELU's tanh form, as ours
+        layer_norm_epsilon=(1e-5,),  # nn.LayerNorm's default, which our layernorm uses
+        scale_attn_weights=(True,),
+        scale_attn_by_inverse_layer_idx=(False,),
+        add_cross_attention=(False,),
+    ),
+    llama=dict(model_type=("llama",), hidden_act=("silu",), rms_norm_eps=(1e-6,)),  # norm.py
 )
 
 
-# config.json keys that change what GPT-2's weights compute, and the values our GPT computes
-# with; a present key with another value is refused (a silent difference in the logits otherwise).
-HF_ARCHITECTURE = dict(
-    model_type=("gpt2",),
-    activation_function=("gelu_new", "gelu_pytorch_tanh"),  # GELU's tanh form, as ours
-    layer_norm_epsilon=(1e-5,),
-    scale_attn_weights=(True,),
-    scale_attn_by_inverse_layer_idx=(False,),
-    add_cross_attention=(False,),
-)
-HF_SIZES = ("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner")
+def unclassified(config_class: type = GPTConfig) -> list[str]:
+    """The fields of `config_class` that FIELDS does not classify (and FIELDS' stale entries)."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return sorted(names ^ FIELDS.keys())
+
+
+def needs(architecture: str) -> dict[str, Any]:
+    """{field: the only value `architecture` ("gpt2" or "llama") computes}."""
+    columns = {name: getattr(field, architecture) for name, field in FIELDS.items()}
+    return {name: c.value for name, c in columns.items() if isinstance(c, Need)}
+
+
+def hf_keys(name: str, architecture: str = "gpt2") -> tuple[str, ...]:
+    column = getattr(FIELDS[name], architecture)
+    return () if isinstance(column, Need) else column
+
+
+# GPT-2's weights fix these fields; mlp_ratio too, as GPT-2's n_inner defaults to 4 * n_embd
+# (checked in config.json): the import does not read the hidden width from the weights.
+GPT2_ARCHITECTURE = {**needs("gpt2"), "mlp_ratio": 4}
+HF_SIZES = [  # the keys of GPT-2's integers: a config.json must give positive integers
+    key
+    for name, field in FIELDS.items()
+    for key in hf_keys(name)
+    if type(getattr(GPTConfig(), field.via or name)) is int
+]
 MAX_CONFIG_BYTES = 1 << 20  # a GPT-2 config.json has about 1 KB
 
 
@@ -69,7 +133,7 @@ def read_hf_config(file: Path) -> dict[str, Any]:
             f"{file}: n_head={config['n_head']} does not divide n_embd={config['n_embd']}: each "
             "head gets n_embd / n_head dimensions"
         )
-    for key, accepted in HF_ARCHITECTURE.items():
+    for key, accepted in HF_FIXED["gpt2"].items():
         if key in config and config[key] not in accepted:
             raise ValueError(
                 f"{file}: {key}={config[key]!r} is not GPT-2's architecture, which our GPT "
@@ -92,14 +156,6 @@ def _weights_file(path: Path) -> Path:
         if (path / name).is_file():
             return path / name
     raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-
-
-def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """w (V, C) with `rows` rows: cropped, or padded with zeros (padded tokens are never drawn
-    nor targets, so their rows only need to exist)."""
-    if rows <= w.size(0):
-        return w[:rows]
-    return torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])  # (rows, C)
 
 
 def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -187,18 +243,19 @@ def _config_from_shapes(
             raise ValueError(f"{where}: the weights have no 2-D {key}: not a GPT-2 checkpoint")
     vocab_size, n_embd = shapes["wte.weight"]
     layers = [int(m[1]) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))]
-    actual = dict(
+    shape = dict(  # what the weights themselves say: an override may repeat it, not change it
         vocab_size=vocab_size,
-        n_positions=shapes["wpe.weight"][0],
-        n_ctx=shapes["wpe.weight"][0],
-        n_embd=n_embd,
+        block_size=shapes["wpe.weight"][0],
         n_layer=1 + max(layers, default=-1),
+        n_embd=n_embd,
+        bias="ln_f.bias" in shapes,
     )
-    for key, value in actual.items():
-        if claims.get(key) is not None and claims[key] != value:
-            raise ValueError(
-                f"{where}: {key}={claims[key]} disagrees with the weights, which give {value}"
-            )
+    for name, value in shape.items():  # config.json's claims of them: its keys for each field
+        for key in hf_keys(name):
+            if claims.get(key) is not None and claims[key] != value:
+                raise ValueError(
+                    f"{where}: {key}={claims[key]} disagrees with the weights, which give {value}"
+                )
     if claims.get("n_inner") not in (None, 4 * n_embd):
         raise ValueError(f"{where}: n_inner={claims['n_inner']} is not 4 * n_embd = {4 * n_embd}")
     if "lm_head.weight" in shapes and shapes["lm_head.weight"] != shapes["wte.weight"]:
@@ -206,13 +263,6 @@ def _config_from_shapes(
             f"{where}: lm_head.weight has shape {shapes['lm_head.weight']}, "
             f"wte.weight {shapes['wte.weight']}: they must match"
         )
-    shape = dict(  # what the weights themselves say: an override may repeat it, not change it
-        vocab_size=vocab_size,
-        block_size=actual["n_positions"],
-        n_layer=actual["n_layer"],
-        n_embd=n_embd,
-        bias="ln_f.bias" in shapes,
-    )
     for key, value in overrides.items():
         if key in shape and value != shape[key]:
             raise ValueError(

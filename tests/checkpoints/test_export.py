@@ -8,6 +8,7 @@ import torch
 
 from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
+from checkpoints.hf import FIELDS, Field, Need, hf_keys
 from checkpoints.store import save_checkpoint
 from data.tokenizer import get_tokenizer
 from model import GPT
@@ -99,6 +100,28 @@ def test_options_without_an_equivalent_are_named(tmp_path, options, named):
         export(tmp_path, path)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directory left
+
+
+def test_a_field_the_table_says_has_no_equivalent_is_refused(tmp_path, monkeypatch):
+    """export.py keeps no list of its own: a Need in checkpoints.hf.FIELDS is enforced."""
+    path, _ = checkpoint(tmp_path, zero_init_proj=True)
+    monkeypatch.setitem(FIELDS, "zero_init_proj", Field(Need(False), Need(False)))
+    with pytest.raises(ConfigError, match="^model[.]zero_init_proj=True has no equivalent"):
+        export(tmp_path, path)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"}]
+)
+def test_config_json_holds_each_fields_value_under_its_keys(tmp_path, options):
+    kind = "llama" if options else "gpt2"
+    other = {"dropout": 0.125, "mlp_ratio": 2, "tie_embeddings": False, "rope_base": 500.0}
+    path, ours = checkpoint(tmp_path, **options, **other)
+    theirs = transformers.AutoConfig.from_pretrained(export(tmp_path, path)).to_dict()
+    theirs |= theirs.get("rope_parameters", {})  # transformers 5 keeps rope_theta there
+    for name, field in FIELDS.items():
+        for key in hf_keys(name, kind):
+            assert theirs[key] == getattr(ours.config, field.via or name), (name, key)
 
 
 def test_other_tokenizers_are_refused(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -9,9 +10,25 @@ import pytest
 import torch
 
 from checkpoints import hf
-from checkpoints.hf import load_hf_gpt2
+from checkpoints.hf import FIELDS, load_hf_gpt2, unclassified
+from model.config import GPTConfig
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
+
+
+def test_every_gptconfig_field_is_classified_once_for_interchange(monkeypatch):
+    """FIELDS, which import and export read, classifies every GPTConfig field: a new field
+    without an entry (negative control: a config with one more field) or an entry left behind by
+    a removed field fails here, instead of exporting or importing a silently other model."""
+    assert unclassified() == []
+
+    @dataclasses.dataclass
+    class Wider(GPTConfig):
+        n_kv_head: int = 12
+
+    assert unclassified(Wider) == ["n_kv_head"]
+    monkeypatch.setitem(FIELDS, "n_kv_head", FIELDS["n_head"])
+    assert unclassified(Wider) == [] and unclassified() == ["n_kv_head"]
 
 
 @pytest.fixture
