@@ -116,23 +116,20 @@ class BPE:
 
         try:
             obj = json.loads(text)
-            if obj["format"] != FORMAT:
-                raise bad(f"format {obj['format']!r}, expected {FORMAT!r}")
-            if obj["name"] != name:
-                raise bad(f"it holds {obj['name']!r}")
-            pattern, pairs = obj["pattern"], obj["merges"]
+            if (obj["format"], obj["name"]) != (FORMAT, name):
+                found = f"{obj['name']!r} in format {obj['format']!r}"
+                raise bad(f"it holds {found}, expected {name!r} in {FORMAT!r}")
             ids = {bytes([i]): i for i in range(256)}
             merges = []
-            for left_hex, right_hex in pairs:
+            for left_hex, right_hex in obj["merges"]:
                 left, right = bytes.fromhex(left_hex), bytes.fromhex(right_hex)
                 if left not in ids or right not in ids or left + right in ids:
                     raise bad(f"merge {len(merges)} ({left_hex} {right_hex}) is not a new merge")
                 ids[left + right] = len(ids)
                 merges.append((ids[left], ids[right]))
-            bpe = cls(name, pattern, tuple(merges))
-            if obj["vocab_size"] != bpe.vocab_size or obj["special_tokens"] != {
-                ENDOFTEXT: bpe.eot_token
-            }:
+            bpe = cls(name, obj["pattern"], tuple(merges))
+            eot = {ENDOFTEXT: bpe.eot_token}
+            if (obj["vocab_size"], obj["special_tokens"]) != (bpe.vocab_size, eot):
                 raise bad("vocab_size or special_tokens disagree with the merges")
         except (ValueError, KeyError, TypeError) as e:
             if isinstance(e, DataError):
@@ -163,25 +160,16 @@ def _merge(ids: list[int], left: int, right: int, new: int) -> list[int]:
     return out
 
 
-def count_chunks(texts: Iterable[str], pattern: str = PATTERN) -> tuple[Counter[str], int]:
-    """Distinct pre-split chunks of ``texts`` with their counts, and the UTF-8 bytes read."""
-    split = regex.compile(pattern).findall
-    counts: Counter[str] = Counter()
+def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
+    """Train ``bpe-<vocab_size>`` (N >= ``MIN_VOCAB``, as ``parse_tokenizer`` checks) on
+    ``texts``, the training split's documents."""
+    start = time.perf_counter()
+    split = regex.compile(PATTERN).findall
+    counts: Counter[str] = Counter()  # the distinct pre-split chunks
     nbytes = 0
     for text in texts:
         counts.update(split(text))
         nbytes += len(text.encode("utf-8"))
-    return counts, nbytes
-
-
-def train_bpe(
-    texts: Iterable[str], vocab_size: int, pattern: str = PATTERN
-) -> tuple[BPE, TrainStats]:
-    """Train ``bpe-<vocab_size>`` on ``texts`` (the training split's documents)."""
-    if vocab_size < MIN_VOCAB:
-        raise DataError(f"bpe-{vocab_size}: N must be at least {MIN_VOCAB}")
-    start = time.perf_counter()
-    counts, nbytes = count_chunks(texts, pattern)
     words = [list(chunk.encode("utf-8")) for chunk in counts]
     freqs = list(counts.values())
 
@@ -241,12 +229,6 @@ def train_bpe(
             else:
                 pair_counts.pop(p, None)
 
-    bpe = BPE(f"bpe-{vocab_size}", pattern, tuple(merges))
-    stats = TrainStats(
-        seconds=time.perf_counter() - start,
-        bytes=nbytes,
-        chunks=sum(freqs),
-        unique_chunks=len(freqs),
-        skipped_pairs=len(banned),
-    )
-    return bpe, stats
+    elapsed = time.perf_counter() - start
+    stats = TrainStats(elapsed, nbytes, sum(freqs), len(freqs), skipped_pairs=len(banned))
+    return BPE(f"bpe-{vocab_size}", PATTERN, tuple(merges)), stats

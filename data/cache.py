@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from base.files import sha256_file, write_atomic
+from base.files import sha256_file
 
 # Bump when the token file layout or what meta.json must record changes, to invalidate old
 # caches. 2: meta.json records each token file's sha256.
@@ -54,23 +54,6 @@ def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def file_entry(path: Path) -> dict[str, Any]:
-    """How meta.json records a small side file (a trained tokenizer): name, size and sha256."""
-    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def _recorded_files(directory: Path, meta: dict[str, Any]) -> list[tuple[Path, int, str]]:
-    """(path, size, sha256) of every file ``meta`` vouches for: token files, tokenizer file."""
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    files = []
-    for split, stats in meta["splits"].items():
-        size = stats["tokens"] * itemsize
-        files.append((directory / f"{split}.bin", size, str(stats["sha256"])))
-    if (entry := meta.get("tokenizer_file")) is not None:
-        files.append((directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"])))
-    return files
-
-
 def verify_prepared(
     directory: Path, expected_fingerprint: str, announce: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
@@ -85,39 +68,39 @@ def verify_prepared(
         meta = json.loads(path.read_text())
         if meta["fingerprint"] != expected_fingerprint:
             raise InvalidCache(f"{path} is for another fingerprint ({meta['fingerprint']})")
-        files = _recorded_files(directory, meta)
+        # (path, size, sha256) of every file meta.json vouches for: token files, tokenizer file
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        files = [
+            (directory / f"{split}.bin", stats["tokens"] * itemsize, str(stats["sha256"]))
+            for split, stats in meta["splits"].items()
+        ]
+        if (entry := meta.get("tokenizer_file")) is not None:
+            files.append(
+                (directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"]))
+            )
     except FileNotFoundError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
-    for file, size, _ in files:
-        try:
-            actual = file.stat().st_size
-        except OSError as e:
-            raise InvalidCache(f"{file} cannot be read ({e.strerror})") from e
-        if actual != size:
-            raise InvalidCache(
-                f"{file} has {actual:,} bytes but {META} records {size:,} "
-                "(truncated or overwritten)"
+    try:
+        for file, size, _ in files:
+            if (actual := file.stat().st_size) != size:
+                raise InvalidCache(
+                    f"{file} has {actual:,} bytes but {META} records {size:,} "
+                    "(truncated or overwritten)"
+                )
+        total = sum(size for _, size, _ in files)
+        if announce is not None and total >= ANNOUNCE_BYTES:
+            announce(
+                f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
+                "(every byte is read and hashed, at about 0.7-2 GB/s)"
             )
-    total = sum(size for _, size, _ in files)
-    if announce is not None and total >= ANNOUNCE_BYTES:
-        announce(
-            f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
-            "(every byte is read and hashed, at about 0.7-2 GB/s)"
-        )
-    for file, _, expected in files:
-        try:
-            actual = sha256_file(file)
-        except OSError as e:
-            raise InvalidCache(f"{file} cannot be read ({e.strerror})") from e
-        if actual != expected:
-            raise InvalidCache(
-                f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
-                f"{META} records {expected[:12]}...)"
-            )
+        for file, _, expected in files:
+            if (actual := sha256_file(file)) != expected:
+                raise InvalidCache(
+                    f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
+                    f"{META} records {expected[:12]}...)"
+                )
+    except OSError as e:  # a recorded file that is missing or unreadable
+        raise InvalidCache(f"{e.filename} cannot be read ({e.strerror})") from e
     return meta
-
-
-def write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    write_atomic(directory / META, json.dumps(meta, indent=2))

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +19,8 @@ MAP_BATCH_SIZE = 64
 MIN_DOCS_PER_PROC = 1000
 
 
-@contextlib.contextmanager
-def _progress_bars(show: bool) -> Iterator[None]:
-    """datasets' own progress bar, only for splits big enough to need one: a small split's
-    bar would only add noise to the console's one summary line per split."""
-    was_enabled = not datasets.are_progress_bars_disabled()
-    if not show:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
-
-
-@dataclass(frozen=True)
-class SplitStats:
-    tokens: int
-    bytes: int
-    documents: int
-    seconds: float
-    sha256: str  # of the file's bytes, hashed as they were written
-
-
 def encode_documents(
-    batch: dict[str, list], tokenizer: str, num_threads: int, tokenizer_dir: str | None = None
+    batch: dict[str, list], tokenizer: str, tokenizer_dir: Path, num_threads: int
 ) -> dict[str, list]:
     """``datasets.map`` worker: each non-empty document becomes ``[eot, *tokens]``.
 
@@ -56,57 +30,61 @@ def encode_documents(
     enc = load_tokenizer(tokenizer, tokenizer_dir)
     texts = [t for t in batch["text"] if t]
     ids = enc.encode_ordinary_batch(texts, num_threads=num_threads)
-    eot = np.array([enc.eot_token], dtype=np.uint32)
     return {
-        "ids": [np.concatenate([eot, np.asarray(x, dtype=np.uint32)]) for x in ids],
+        "ids": [np.array([enc.eot_token, *x], dtype=np.uint32) for x in ids],
         "nbytes": [len(t.encode("utf-8")) for t in texts],
     }
-
-
-def _rows(tokenized: Dataset | IterableDataset) -> Iterator[tuple[np.ndarray, int]]:
-    for batch in tokenized.iter(batch_size=MAP_BATCH_SIZE):
-        yield from zip(batch["ids"], batch["nbytes"], strict=True)
 
 
 def write_split(
     docs: Dataset | IterableDataset,
     path: Path,
     tokenizer: str,
+    tokenizer_dir: Path,
     num_proc: int,
     max_tokens: int | None = None,
-    tokenizer_dir: str | None = None,
-) -> SplitStats:
+) -> dict[str, Any]:
     """Write the concatenated tokens of ``docs`` to ``path``, hashing them on the way (no second
     pass over the file); stop after the document that reaches ``max_tokens``. A large finite
     dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
-    tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``."""
+    tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``.
+    Returns the split's tokens, bytes, documents, seconds and sha256."""
     start = time.perf_counter()
     dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
-    num_proc = max(1, num_proc)
-    kwargs: dict[str, Any] = {"batched": True, "batch_size": MAP_BATCH_SIZE}
-    threads = num_proc
-    if isinstance(docs, Dataset) and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC:
-        kwargs["num_proc"], threads = num_proc, 1
-    with _progress_bars(isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC):
+    big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
+    multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
+    # datasets' own progress bar only for a split big enough to need one: a small split's bar
+    # would only add noise to the console's one summary line per split.
+    bars_were_on = not datasets.are_progress_bars_disabled()
+    if not big:
+        datasets.disable_progress_bars()
+    try:
         tokenized = docs.map(
             encode_documents,
+            batched=True,
+            batch_size=MAP_BATCH_SIZE,
             fn_kwargs={
                 "tokenizer": tokenizer,
-                "num_threads": threads,
                 "tokenizer_dir": tokenizer_dir,
+                "num_threads": 1 if multiprocess else num_proc,
             },
             remove_columns=["text"],
-            **kwargs,
+            **({"num_proc": num_proc} if multiprocess else {}),
         ).with_format("numpy")
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    batches = tokenized.iter(batch_size=MAP_BATCH_SIZE)
+    rows = (row for batch in batches for row in zip(batch["ids"], batch["nbytes"], strict=True))
     tokens = nbytes = documents = 0
     digest = hashlib.sha256()
     with open(path, "wb") as f:
-        for ids, size in _rows(tokenized):
+        for ids, size in rows:
             chunk = np.asarray(ids, dtype=dtype).tobytes()
             f.write(chunk)
             digest.update(chunk)
             tokens, nbytes, documents = tokens + len(ids), nbytes + int(size), documents + 1
             if max_tokens is not None and tokens >= max_tokens:
                 break
-    seconds = time.perf_counter() - start
-    return SplitStats(tokens, nbytes, documents, seconds, digest.hexdigest())
+    seconds, sha256 = time.perf_counter() - start, digest.hexdigest()
+    return dict(tokens=tokens, bytes=nbytes, documents=documents, seconds=seconds, sha256=sha256)

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from functools import partial
 
 from datasets import Dataset, IterableDataset
 
 from data.errors import DataError
-
-
-def _in_val(_: dict, index: int, *, seed: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < fraction * 2**64
 
 
 def check_fraction(fraction: float) -> float:
@@ -26,19 +20,18 @@ def hold_out(
 ) -> tuple[Dataset | IterableDataset, Dataset | IterableDataset]:
     """Split documents into (train, val); the same seed always holds out the same documents.
 
-    A finite dataset gets an exact seeded split (at least one validation document); a stream
-    has no length, so each document is assigned by a seeded hash of its position.
+    A finite dataset gets datasets' exact seeded split (at least one validation document; it
+    refuses a split that would leave either side empty); a stream has no length, so each
+    document is assigned by a seeded hash of its position.
     """
     check_fraction(fraction)
     if isinstance(ds, Dataset):
-        if len(ds) < 2:
-            raise DataError(
-                f"val_fraction needs at least 2 documents to hold some out, got {len(ds)}; "
-                "add files or pass val_files"
-            )
         parts = ds.train_test_split(test_size=fraction, seed=seed)
         return parts["train"], parts["test"]
-    in_val = partial(_in_val, seed=seed, fraction=fraction)
-    val = ds.filter(in_val, with_indices=True)
+
+    def in_val(_: dict, index: int) -> bool:
+        digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") < fraction * 2**64
+
     train = ds.filter(lambda row, i: not in_val(row, i), with_indices=True)
-    return train, val
+    return train, ds.filter(in_val, with_indices=True)

@@ -7,7 +7,6 @@ Every hub dataset is just a config: ``path``, ``subset``, ``text_field``, ``stre
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -22,17 +21,11 @@ _CONTENT_KEYS = (
 )  # fmt: skip
 
 
-def _local_files(data_files: Any) -> list[Path]:
-    if data_files is None:
-        return []
-    if isinstance(data_files, dict):
-        return [p for v in data_files.values() for p in expand_files(v, "data_files")]
-    return expand_files(data_files, "data_files")
-
-
 def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config identifies a hub dataset; local ``data_files`` also contribute size and mtime."""
-    local = _local_files(cfg.get("data_files"))
+    data_files = cfg.get("data_files") or []
+    patterns = data_files.values() if isinstance(data_files, dict) else [data_files]
+    local = [p for v in patterns for p in expand_files(v, "data_files")]
     files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local]
     return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": files}
 
@@ -62,13 +55,8 @@ def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.I
     ds = ds.select_columns([field])
     if field != "text":
         ds = ds.rename_column(field, "text")
-    limit = cfg.get("max_documents")
-    if limit is not None:
-        ds = (
-            ds.take(limit)
-            if isinstance(ds, datasets.IterableDataset)
-            else ds.select(range(min(limit, len(ds))))
-        )
+    if (limit := cfg.get("max_documents")) is not None:
+        ds = ds.take(limit if isinstance(ds, datasets.IterableDataset) else min(limit, len(ds)))
     return ds
 
 

@@ -5,9 +5,10 @@ Training calls :func:`prepare` itself; ``python -m data.prepare`` runs it alone.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,30 +19,21 @@ import tiktoken
 from datasets import Dataset, IterableDataset
 from omegaconf import DictConfig
 
-from base.files import atomic_path, write_atomic
+from base.files import atomic_path, sha256_file, write_atomic
 from data.bpe import train_bpe
-from data.cache import (
-    META,
-    InvalidCache,
-    file_entry,
-    fingerprint,
-    verify_prepared,
-    write_meta,
-)
+from data.cache import META, InvalidCache, fingerprint, verify_prepared
 from data.config import cache_root, resolve_config
 from data.encode import MAP_BATCH_SIZE, write_split
 from data.errors import DataError
 from data.registry import get_source
 from data.tokenizer import (
     TOKENIZER_FILE,
-    TokenizerSpec,
+    cache_key,
     get_tokenizer,
     load_tokenizer,
     parse_tokenizer,
     token_dtype,
 )
-
-SPLITS = ("train", "val")
 
 
 @dataclass
@@ -55,8 +47,6 @@ class PreparedData:
 
     def tokens(self, split: str) -> np.memmap:
         """The split's tokens as a read-only 1-D memmap (nothing is loaded into memory)."""
-        if split not in self.meta["splits"]:
-            raise DataError(f"unknown split {split!r}; known: {', '.join(self.meta['splits'])}")
         n = self.meta["splits"][split]["tokens"]
         return np.memmap(self.dir / f"{split}.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
 
@@ -76,76 +66,64 @@ class PreparedData:
         return stats["bytes"] / stats["tokens"]
 
 
-def _texts(docs: Dataset | IterableDataset) -> Iterator[str]:
-    for batch in docs.iter(batch_size=MAP_BATCH_SIZE):
-        yield from batch["text"]
-
-
 def _train_tokenizer(
-    cfg: dict[str, Any],
-    spec: TokenizerSpec,
-    train: Dataset | IterableDataset,
-    out: Path,
-    verbose: bool,
+    cfg: dict[str, Any], vocab_size: int, train: Dataset | IterableDataset, out: Path, verbose: bool
 ) -> dict[str, Any]:
     """Train ``bpe-<N>`` on the train split alone and write it atomically to the data directory;
     returns the meta entries recording it."""
-    bpe, stats = train_bpe(_texts(train), spec.vocab_size)
+    texts = (t for batch in train.iter(batch_size=MAP_BATCH_SIZE) for t in batch["text"])
+    bpe, stats = train_bpe(texts, vocab_size)
     path = out / TOKENIZER_FILE
     write_atomic(path, bpe.to_json())
     if verbose:
         print(
-            f"{cfg['name']}: trained {spec.name} on the train split ({stats.bytes / 1e6:.2f} MB, "
+            f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} MB, "
             f"{stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in {stats.seconds:.2f}s"
         )
-    training = {
-        "seconds": round(stats.seconds, 3),
-        "bytes": stats.bytes,
-        "chunks": stats.chunks,
-        "unique_chunks": stats.unique_chunks,
+    return {
+        "tokenizer_file": {
+            "name": path.name,
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        },
+        "tokenizer_training": {
+            "seconds": round(stats.seconds, 3),
+            "bytes": stats.bytes,
+            "chunks": stats.chunks,
+            "unique_chunks": stats.unique_chunks,
+        },
     }
-    return {"tokenizer_file": file_entry(path), "tokenizer_training": training}
 
 
-def _build(
-    cfg: dict[str, Any], spec: TokenizerSpec, out: Path, fp: str, source_fp: dict, verbose: bool
-) -> dict:
-    tokenizer = spec.name
-    if not spec.trained:
+def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
+    tokenizer = cfg["tokenizer"]
+    if (vocab_size := parse_tokenizer(tokenizer)) is None:
         get_tokenizer(tokenizer)  # fail on a bad tokenizer (download) before loading any data
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
-    trained = _train_tokenizer(cfg, spec, docs["train"], out, verbose) if spec.trained else {}
+    trained = _train_tokenizer(cfg, vocab_size, docs["train"], out, verbose) if vocab_size else {}
     enc = load_tokenizer(tokenizer, out)
-    token_dir = str(out) if spec.trained else None
-    limits = {"train": cfg.get("max_train_tokens")}
-    num_proc = int(cfg.get("num_proc", 1))
     splits = {}
-    for split in SPLITS:
+    for split in ("train", "val"):
         with atomic_path(out / f"{split}.bin") as tmp:
+            max_tokens = cfg.get("max_train_tokens") if split == "train" else None
             stats = write_split(
-                docs[split], tmp, tokenizer, num_proc, limits.get(split), tokenizer_dir=token_dir
+                docs[split], tmp, tokenizer, out, int(cfg.get("num_proc", 1)), max_tokens
             )
-            if stats.tokens == 0:
+            if stats["tokens"] == 0:
                 raise DataError(
                     f"the {split} split of {cfg['name']!r} has no text (0 documents); "
                     "check the files, text_field or val_fraction"
                 )
-        splits[split] = {
-            "tokens": stats.tokens,
-            "bytes": stats.bytes,
-            "documents": stats.documents,
-            "seconds": round(stats.seconds, 3),
-            "sha256": stats.sha256,
-        }
         if verbose:
+            mb, seconds = stats["bytes"] / 1e6, stats["seconds"]
             print(
-                f"{cfg['name']}/{split}: {stats.documents:,} documents, {stats.tokens:,} tokens, "
-                f"{stats.bytes / 1e6:.2f} MB in {stats.seconds:.2f}s "
-                f"({stats.bytes / 1e6 / stats.seconds:.2f} MB/s, "
-                f"{stats.tokens / stats.seconds:,.0f} tokens/s)"
+                f"{cfg['name']}/{split}: {stats['documents']:,} documents, "
+                f"{stats['tokens']:,} tokens, {mb:.2f} MB in {seconds:.2f}s "
+                f"({mb / seconds:.2f} MB/s, {stats['tokens'] / seconds:,.0f} tokens/s)"
             )
+        splits[split] = {**stats, "seconds": round(stats["seconds"], 3)}
     meta = {
         "dataset": cfg["name"],
         "source": cfg.get("source", cfg["name"]),
@@ -159,20 +137,17 @@ def _build(
         "sources": source_fp,
         **trained,
     }
-    write_meta(out, meta)
+    write_atomic(out / META, json.dumps(meta, indent=2))
     return meta
 
 
 def _verified_meta(name: str, out: Path, fp: str, verbose: bool) -> dict[str, Any] | None:
     """``out``'s meta if it passes :func:`verify_prepared`, else None (build it). A directory
     that fails is said in one line on stderr, even when not verbose: the rebuild takes time."""
-
-    def announce(line: str) -> None:
-        print(f"{name}: {line}", flush=True)
-
     start = time.perf_counter()
+    announce = (lambda line: print(f"{name}: {line}", flush=True)) if verbose else None
     try:
-        meta = verify_prepared(out, fp, announce if verbose else None)
+        meta = verify_prepared(out, fp, announce)
     except FileNotFoundError:  # never prepared here, or interrupted before meta.json
         return None
     except InvalidCache as e:
@@ -197,11 +172,11 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     tokenizer.
     """
     cfg = resolve_config(cfg)
-    spec = parse_tokenizer(cfg.get("tokenizer", "gpt2"))
+    tokenizer = cfg.setdefault("tokenizer", "gpt2")
     source_fp = get_source(cfg).identity(cfg)
-    fp = fingerprint(spec.cache_key, source_fp)
-    out = cache_root(cfg) / cfg["name"] / f"{spec.name}-{fp[:12]}"
+    fp = fingerprint(cache_key(tokenizer), source_fp)
+    out = cache_root(cfg) / cfg["name"] / f"{tokenizer}-{fp[:12]}"
     meta = _verified_meta(cfg["name"], out, fp, verbose)
     if meta is None:
-        meta = _build(cfg, spec, out, fp, source_fp, verbose)
+        meta = _build(cfg, out, fp, source_fp, verbose)
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])

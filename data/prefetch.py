@@ -29,10 +29,6 @@ class PrefetchingSampler:
         self.sampler, self.depth, self.pin_memory = sampler, depth, pin_memory
         self._thread: threading.Thread | None = None
 
-    @property
-    def step(self) -> int:
-        return self.sampler.step
-
     def next_batch(self) -> Batch:
         if self._thread is None:
             self._start()
@@ -51,15 +47,10 @@ class PrefetchingSampler:
 
     def close(self) -> None:
         """Stop the reader (it restarts from the current position at the next batch)."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        while self._thread.is_alive():  # unblock a reader waiting on a full queue
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                self._thread.join(timeout=0.05)
-        self._thread = None
+        if self._thread is not None:
+            self._stop.set()  # the reader sees it within _put's timeout, even on a full queue
+            self._thread.join()
+            self._thread = None
 
     def _start(self) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)

@@ -36,19 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with user_errors():
         data = prepare_data(_compose(sys.argv[1:] if argv is None else argv).data)
-    summary = {"dataset": data.meta["dataset"]}
     splits = data.meta["splits"]
+    total = sum(stats["bytes"] for stats in splits.values())
+    sizes = [
+        f"{split} {stats['tokens']:,} tokens, {stats['bytes'] / 1e6:.2f} MB "
+        f"({stats['bytes'] / total:.1%} of the text)"
+        for split, stats in splits.items()
+    ]
+    print("splits: " + " | ".join(sizes))
+    summary = {"dataset": data.meta["dataset"]}
     for split, stats in splits.items():
         summary[split] = {key: stats[key] for key in ("documents", "tokens", "bytes")}
-    total = sum(stats["bytes"] for stats in splits.values())
-    print(
-        "splits: "
-        + " | ".join(
-            f"{split} {stats['tokens']:,} tokens, {stats['bytes'] / 1e6:.2f} MB "
-            f"({stats['bytes'] / total:.1%} of the text)"
-            for split, stats in splits.items()
-        )
-    )
     summary |= {"seconds": round(time.perf_counter() - start, 3), "dir": str(data.dir)}
     print(json.dumps(summary))
     return 0

@@ -11,8 +11,7 @@ from data.errors import DataError
 
 
 def _check_length(tokens: np.ndarray, block_size: int) -> None:
-    if block_size < 1:
-        raise DataError(f"block_size must be at least 1, got {block_size}")
+    """block_size itself is checked by GPTConfig, which every run's model goes through."""
     if len(tokens) < block_size + 1:
         raise DataError(
             f"split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
@@ -46,8 +45,6 @@ class BatchSampler:
         world_size: int = 1,
     ) -> None:
         _check_length(tokens, block_size)
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.n_windows = len(tokens) - block_size
         if self.n_windows < world_size * batch_size:
             raise DataError(

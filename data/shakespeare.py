@@ -39,10 +39,7 @@ def identity(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """One document per play, split by whole plays."""
-    splits: dict[str, dict[str, list[str]]] = {
-        "train": {"title": [], "text": []},
-        "val": {"title": [], "text": []},
-    }
+    splits = {"train": {"title": [], "text": []}, "val": {"title": [], "text": []}}
     for name, path in play_files().items():
         split = splits["val" if name in VAL_PLAYS else "train"]
         split["title"].append(name)

