@@ -23,11 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hardware.device import bf16_verdict, fastest, measured_once, pinned_cpu_dtype, resolve_dtype
-
-# The decoding probe's matrix, (in, out): 100 MB in float32, larger than any CPU's caches, so
-# that it streams from memory as a token's weights do.
-PROBE_SHAPE = (768, 32768)
+from hardware.device import fastest, probed_dtype, resolve_precision
 
 
 class SplitLinear(nn.Module):
@@ -52,8 +48,7 @@ class SplitLinear(nn.Module):
         """x (..., in) -> (..., out)."""
         parts, height, out = self.blocks.shape
         lead = x.shape[:-1]
-        if parts * height > self.in_features:  # zero entries against the zero rows
-            x = F.pad(x, (0, parts * height - self.in_features))
+        x = F.pad(x, (0, parts * height - self.in_features))  # zero entries for the zero rows
         slices = x.reshape(-1, parts, height).transpose(0, 1)  # (parts, n, height)
         y = torch.bmm(slices, self.blocks).sum(0).view(*lead, out)  # (..., out)
         return y if self.bias is None else y + self.bias
@@ -87,15 +82,16 @@ def decoding_copy(model: nn.Module, parts: int | None = None) -> nn.Module:
     return decoder
 
 
-def bf16_decoding_speedup(shape: tuple[int, int] = PROBE_SHAPE, repeats: int = 3) -> float:
+def bf16_decoding_speedup(shape: tuple[int, int] = (768, 32768), repeats: int = 3) -> float:
     """float32 time / bfloat16 time of one matrix-vector product as generation runs each: float32
-    from SplitLinear's blocks (one per thread), bfloat16 from nn.Linear; best of `repeats`."""
+    from SplitLinear's blocks (one per thread), bfloat16 from nn.Linear; best of `repeats`. The
+    default matrix, (in, out), is 100 MB in float32, larger than any CPU's caches, so that it
+    streams from memory as a token's weights do."""
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG untouched
-    linear = nn.Linear(*shape, bias=False)
-    with torch.no_grad():
-        linear.weight.normal_(generator=generator)
+    linear = nn.utils.skip_init(nn.Linear, *shape, bias=False)  # filled from `generator`
     x = torch.randn(1, shape[0], generator=generator)
     with torch.inference_mode():
+        linear.weight.normal_(generator=generator)
         split, x16 = SplitLinear(linear, torch.get_num_threads()), x.bfloat16()
         linear16 = linear.to(torch.bfloat16)
         return fastest(lambda: split(x), repeats) / fastest(lambda: linear16(x16), repeats)
@@ -109,14 +105,12 @@ def cpu_decoding_dtype() -> tuple[torch.dtype, str]:
     kernel streams them as fast (on a 2-core AMD EPYC with AVX512-BF16, bf16 matmuls are 2.4x
     float32's, this probe 0.8-1.1x, a whole bf16 token 0.6-0.7x), so decoding has a probe of
     its own, measured once."""
-    return pinned_cpu_dtype() or bf16_verdict(
-        "decoding", measured_once("decoding", bf16_decoding_speedup)
-    )
+    return probed_dtype("decoding", bf16_decoding_speedup)
 
 
 def decoding_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype of the weights generation runs in: `auto` on a CPU by `cpu_decoding_dtype`,
-    anything else as `resolve_dtype` decides it for training."""
+    anything else as `resolve_precision` decides it for training."""
     if name == "auto" and device.type == "cpu":
         return cpu_decoding_dtype()[0]
-    return resolve_dtype(name, device)
+    return resolve_precision(device, name).dtype

@@ -30,6 +30,7 @@ measured peaks (README, Performance).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +56,10 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return sum(vars(self).values())
 
     def summary(self) -> str:
-        parts = ", ".join(
-            f"{name} {format_bytes(getattr(self, name))}"
-            for name in ("weights", "gradients", "optimizer", "activations", "logits")
-        )
+        parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in vars(self).items())
         return f"{format_bytes(self.total)} ({parts})"
 
 
@@ -78,12 +76,11 @@ def estimate_memory(
     with torch.device("meta"):  # the parameters' shapes, allocating nothing
         model = GPT(config)
     params = model.num_params(exclude_positions=False)
-    muon = sum(p.numel() for n, p in model.named_parameters() if is_block_matrix(n, p))
+    named = model.named_parameters()
+    muon = sum(p.numel() for n, p in named if optimizer == "muon" and is_block_matrix(n, p))
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    if optimizer != "muon":
-        muon = 0
     act = dtype.itemsize  # bytes per activation element kept for backward
-    autocast_copies = act * matmul if dtype != torch.float32 else 0
+    low = 0 if dtype == torch.float32 else act  # bytes per element of autocast's copies
 
     B, T, C = batch_size, config.block_size, config.n_embd
     mlp = (4 if config.mlp == "swiglu" else 2) * config.mlp_hidden / C
@@ -92,10 +89,9 @@ def estimate_memory(
     activations = config.n_layer * per_layer + 2 * B * T * C * FLOAT32
     if config.attention == "manual":
         scores = B * config.n_head * T * T
-        extra_copy = act if dtype != torch.float32 else 0
-        activations += config.n_layer * scores * (FLOAT32 + extra_copy) + 2 * scores * FLOAT32
+        activations += config.n_layer * scores * (FLOAT32 + low) + 2 * scores * FLOAT32
     return MemoryEstimate(
-        weights=(FLOAT32 * params) // shards + autocast_copies,
+        weights=(FLOAT32 * params) // shards + low * matmul,
         gradients=FLOAT32 * params // shards,
         optimizer=(FLOAT32 * muon + 2 * FLOAT32 * (params - muon)) // shards,
         activations=int(activations),
@@ -114,12 +110,10 @@ def available_memory(device: torch.device) -> tuple[int | None, str]:
         meminfo = Path("/proc/meminfo").read_text()
     except OSError:
         return None, "unknown (no /proc/meminfo)"
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            share = f", shared by {ranks} ranks" if ranks > 1 else ""
-            return int(line.split()[1]) * 1024 // ranks, f"MemAvailable on this CPU{share}"
-    return None, "unknown (no MemAvailable in /proc/meminfo)"
+    kib = int(re.search(r"MemAvailable:\s+(\d+)", meminfo)[1])  # in every Linux since 3.14
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = f", shared by {ranks} ranks" if ranks > 1 else ""
+    return kib * 1024 // ranks, f"MemAvailable on this CPU{share}"
 
 
 def check_memory(
@@ -130,19 +124,16 @@ def check_memory(
     train, dtype = cfg.train, precision.dtype
     estimate = estimate_memory(config, train.batch_size, cfg.optim.name, dtype, shards)
     budget, source = available_memory(precision.device)
-    line = f"memory: estimated peak {estimate.summary()}; " + (
-        f"{format_bytes(budget)} {source}" if budget is not None else f"available: {source}"
-    )
+    have = f"{format_bytes(budget)} {source}" if budget is not None else f"available: {source}"
+    line = f"memory: estimated peak {estimate.summary()}; {have}"
     if budget is None or estimate.total <= budget or train.skip_memory_check:
         return estimate, line
     one = estimate_memory(config, 1, cfg.optim.name, dtype, shards)  # memory is linear in B
     per_window = one.activations + one.logits
     state = one.total - per_window  # weights, gradients, optimizer: whatever the batch
     if state > budget:
-        how = (
-            f"the weights, gradients and optimizer state alone take {format_bytes(state)}: "
-            "choose a smaller model, "
-        )
+        how = f"the weights, gradients and optimizer state alone take {format_bytes(state)}: "
+        how += "choose a smaller model, "
     else:
         smaller = (budget - state) // per_window
         fixes = []

@@ -12,9 +12,10 @@ import torch
 
 import hardware.device as device_module
 from base.errors import ConfigError
-from hardware.device import Precision, peak_flops, resolve_dtype, resolve_precision
+from hardware.device import Precision, peak_flops, resolve_precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+CPU = torch.device("cpu")
 
 
 def gpu_peak(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype):
@@ -64,7 +65,7 @@ def test_an_unknown_gpu_or_dtype_gives_no_mfu(monkeypatch, name, dtype):
 
 
 def test_the_cpu_figure_is_measured_on_this_machine():
-    flops, source = peak_flops(Precision(torch.device("cpu"), FP32))
+    flops, source = peak_flops(Precision(CPU, FP32))
     assert source == "measured CPU matmul peak"
     assert 1e8 < flops < 1e14  # 0.1 GFLOP/s to 100 TFLOP/s: a real rate, not 0 or inf
 
@@ -77,13 +78,11 @@ def test_other_devices_give_no_mfu():
 def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
     """Autocast keeps part of the model in float32, and a CPU without native bfloat16 emulates
     it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU."""
-    import hardware.device as device
-
     rates = {torch.float32: 1e11, BF16: 1e9}
-    monkeypatch.setattr(device, "measured_cpu_matmul_flops", lambda dtype, n=1024: rates[dtype])
-    assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 1e11
+    monkeypatch.setattr(device_module, "measured_cpu_matmul_flops", lambda dtype: rates[dtype])
+    assert peak_flops(Precision(CPU, BF16))[0] == 1e11
     rates[BF16] = 4e11  # a CPU with AMX: bfloat16 is the faster one
-    assert peak_flops(Precision(torch.device("cpu"), BF16))[0] == 4e11
+    assert peak_flops(Precision(CPU, BF16))[0] == 4e11
 
 
 # ----- dtype=auto on a CPU: decided by a probe, measured once per machine ----------------------
@@ -111,30 +110,30 @@ def probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[float]:
 def test_auto_picks_bfloat16_on_a_cpu_whose_bf16_matmuls_are_clearly_faster(probe):
     answers, calls = probe
     answers.append(4.2)
-    precision = resolve_precision(torch.device("cpu"), "auto")
+    precision = resolve_precision(CPU, "auto")
     assert precision.dtype == torch.bfloat16
     assert "4.2x" in precision.why and "picked" in precision.why
-    assert device_module.fast_matmul_dtype(torch.device("cpu")) == torch.bfloat16
+    assert device_module.fast_matmul_dtype(CPU) == torch.bfloat16
     assert len(calls) == 1
 
 
 def test_auto_stays_float32_where_bf16_is_emulated(probe):
     answers, _ = probe
     answers.append(0.0032)  # an AMD EPYC (Zen 3): two significant digits, never "0.00x"
-    precision = resolve_precision(torch.device("cpu"), "auto")
+    precision = resolve_precision(CPU, "auto")
     assert precision.dtype == torch.float32
     assert "0.0032x" in precision.why
-    assert device_module.fast_matmul_dtype(torch.device("cpu")) == torch.float32
+    assert device_module.fast_matmul_dtype(CPU) == torch.float32
     # an explicit dtype is never second-guessed
-    assert resolve_precision(torch.device("cpu"), "bfloat16").dtype == torch.bfloat16
+    assert resolve_precision(CPU, "bfloat16").dtype == torch.bfloat16
 
 
 def test_the_probe_runs_once_per_machine_and_is_then_read_from_the_cache(probe, tmp_path):
     answers, calls = probe
     answers += [4.2, 0.08]  # a second probe would flip the decision
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_precision(CPU, "auto").dtype == torch.bfloat16
     device_module.cpu_auto_dtype.cache_clear()  # a new process
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_precision(CPU, "auto").dtype == torch.bfloat16
     assert len(calls) == 1
     cached = json.loads((tmp_path / "cpu_precision.json").read_text())
     assert list(cached.values()) == [4.2]
@@ -145,20 +144,28 @@ def test_a_corrupt_cache_file_is_measured_again(probe, tmp_path):
     answers, calls = probe
     answers.append(0.5)
     (tmp_path / "cpu_precision.json").write_text("{not json")
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_precision(CPU, "auto").dtype == torch.float32
     assert len(calls) == 1
 
 
 def test_the_environment_can_pin_the_choice_and_a_bad_pin_is_one_line(probe, monkeypatch):
     _, calls = probe
     monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, "bfloat16")
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_precision(CPU, "auto").dtype == torch.bfloat16
     device_module.cpu_auto_dtype.cache_clear()
     monkeypatch.setenv(device_module.AUTO_DTYPE_ENV, "fp8")
     with pytest.raises(ConfigError, match="CAUSALGPT_CPU_AUTO_DTYPE='fp8'"):
-        resolve_dtype("auto", torch.device("cpu"))
+        resolve_precision(CPU, "auto")
     assert calls == []
 
 
 def test_the_real_probe_measures_a_positive_ratio():
     assert device_module.bf16_speedup((64, 64, 64), repeats=1) > 0
+
+
+def test_auto_falls_back_to_the_cpu_and_an_explicit_device_must_exist(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert device_module.resolve_device("auto") == CPU
+    with pytest.raises(ConfigError, match="device=cuda:1 but CUDA is not available"):
+        device_module.resolve_device("cuda:1")

@@ -128,7 +128,7 @@ CPU = torch.device("cpu")
 def test_generation_stays_float32_where_bf16_decodes_slower_even_if_it_trains_faster(probes):
     answers, runs = probes
     answers.update(training=2.4, decoding=0.6)  # an AMD EPYC with AVX512-BF16, as measured
-    assert device.resolve_dtype("auto", CPU) == torch.bfloat16  # training: autocast in bf16
+    assert device.resolve_precision(CPU, "auto").dtype == torch.bfloat16  # training's autocast
     assert decoding.decoding_dtype("auto", CPU) == torch.float32
     assert "0.6x" in decoding.cpu_decoding_dtype()[1]
     assert runs == {"training": [2.4], "decoding": [0.6]}
@@ -147,10 +147,10 @@ def test_generation_picks_bfloat16_weights_where_they_decode_clearly_faster(prob
 def test_the_decoding_probe_runs_once_per_machine_beside_the_training_probe(probes, tmp_path):
     answers, runs = probes
     answers.update(training=2.4, decoding=0.6)
-    device.resolve_dtype("auto", CPU), decoding.decoding_dtype("auto", CPU)
+    device.resolve_precision(CPU, "auto"), decoding.decoding_dtype("auto", CPU)
     device.cpu_auto_dtype.cache_clear(), decoding.cpu_decoding_dtype.cache_clear()  # a new process
     answers.update(training=0.1, decoding=5.0)  # probing again would flip both decisions
-    assert device.resolve_dtype("auto", CPU) == torch.bfloat16
+    assert device.resolve_precision(CPU, "auto").dtype == torch.bfloat16
     assert decoding.decoding_dtype("auto", CPU) == torch.float32
     assert runs == {"training": [2.4], "decoding": [0.6]}
     cached = json.loads((tmp_path / "cpu_precision.json").read_text())
