@@ -44,9 +44,8 @@ def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
 
 def run(cfg: dict[str, Any]) -> int:
     """Print the report; 0 when every check passes, 1 otherwise."""
-    for key in ("seq_len", "batch_size"):
-        low = 2 if key == "seq_len" else 1
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < low:
+    for key, low in (("seq_len", 2), ("batch_size", 1)):
+        if type(cfg[key]) is not int or cfg[key] < low:  # bool is an int subclass: refused
             raise ConfigError(f"{key} must be an integer >= {low}, got {cfg[key]!r}")
     if cfg["attention"] not in ("all", *ATTENTION_IMPLS):
         raise ConfigError(f"attention must be all or one of {list(ATTENTION_IMPLS)}")

@@ -15,21 +15,20 @@ where the future gets in: everything before it is clean, and its input is built 
 
 `check_causality(model)` runs every check in eval and train mode (dropout masks reseeded) with
 each attention implementation; `assert_causal(model)` raises with the localised report;
-`guard_report(model_values)` checks a shrunk copy of an architecture (train.py's guard).
+`shrunk_config(model_values)` is an architecture at tiny sizes (train.py's guard checks one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import itertools
 import json
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from model.config import ATTENTION_IMPLS, GPTConfig
 from model.gpt import GPT
@@ -39,10 +38,7 @@ TRAIN_DROPOUT = 0.1  # the train-mode checks' dropout when the model has none
 # and flash tiles of 4 (so that 8 tested positions cross several tiles and the diagonal).
 SHRUNK_HEAD_SIZE = 4
 SHRUNK_SIZES = dict(vocab_size=64, block_size=16, flash_block_q=4, flash_block_k=4)
-# The guard also keeps at most 2 layers, as the test suite does: a leak in code that every
-# layer runs shows in layer 0, and layer 1 covers one that reaches the logits through a later
-# layer; gpt2-xl's 48 layers would cost seconds at every start.
-GUARD_LAYERS = 2
+Outputs = dict[str, torch.Tensor]  # each watched output (B, T, ...) by name, in forward order
 
 
 @dataclass(frozen=True)
@@ -76,18 +72,18 @@ class CheckResult:
     leak: Leak | None = None
     problems: list[str] = field(default_factory=list)
 
+    def failures(self) -> list[str]:
+        return ([str(self.leak)] if self.leak else []) + self.problems
+
     @property
     def passed(self) -> bool:
-        return self.leak is None and not self.problems
+        return not self.failures()
 
     def line(self) -> str:
         status = "pass" if self.passed else "FAIL"
         text = f"{self.name:<42} {self.positions:>2} positions, largest {self.measure}"
         text += f" {self.largest:.1e}: {status}"
         return "\n".join([text, *(f"  {p}" for p in self.failures())])
-
-    def failures(self) -> list[str]:
-        return ([str(self.leak)] if self.leak else []) + self.problems
 
 
 @dataclass
@@ -108,22 +104,12 @@ class CausalityReport:
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able result: {"causal", "checks": {name: {...}}, "first_leak"}."""
+        keys = ("positions", "largest", "measure", "passed")
+        checks = {c.name: {key: getattr(c, key) for key in keys} for c in self.checks}
         first = self.first_leak
-        return {
-            "causal": self.causal,
-            "checks": {
-                c.name: {
-                    "positions": c.positions,
-                    "largest": c.largest,
-                    "measure": c.measure,
-                    "passed": c.passed,
-                }
-                for c in self.checks
-            },
-            "first_leak": None
-            if first is None
-            else {"check": first[0], **dataclasses.asdict(first[1]), "message": str(first[1])},
-        }
+        if first is not None:
+            first = {"check": first[0], **dataclasses.asdict(first[1]), "message": str(first[1])}
+        return {"causal": self.causal, "checks": checks, "first_leak": first}
 
     def __str__(self) -> str:
         return "\n".join([*(c.line() for c in self.checks), json.dumps(self.summary())])
@@ -133,65 +119,39 @@ class CausalityError(AssertionError):
     """Raised by assert_causal; the message is the localised report of every failed check."""
 
 
-# ----- the model's internals: the only code that knows its module names -------------------
+# ----- running the model with its sublayers watched: the only code that knows their names ---
 
 
-def _token_embedding(model: GPT) -> nn.Module:
-    """The module that turns token ids into vectors: the input the Jacobian is taken against."""
-    return model.transformer.wte
-
-
-def _watched(model: GPT) -> list[tuple[str, nn.Module]]:
-    """The sublayers whose outputs are compared, in forward order."""
-    sites = [("embeddings", model.transformer.drop)]
-    for i, block in enumerate(model.transformer.h):
-        for part in ("ln_1", "attn", "ln_2", "mlp"):
-            sites.append((f"layer {i} {part}", getattr(block, part)))
-    return [*sites, ("ln_f", model.transformer.ln_f), ("lm_head", model.lm_head)]
-
-
-# ----- running the model with its sublayers watched ---------------------------------------
-
-
-@contextlib.contextmanager
-def _watching(model: GPT) -> Iterator[dict[str, torch.Tensor]]:
-    """Within the block, every forward records each watched output (B, T, ...) by name."""
-    outputs: dict[str, torch.Tensor] = {}
-
-    def record(name: str):
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            outputs[name] = out
-
-        return hook
-
-    handles = [m.register_forward_hook(record(name)) for name, m in _watched(model)]
-    try:
-        yield outputs
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _run(model: GPT, idx: torch.Tensor, seed: int, **kwargs: Any) -> dict[str, torch.Tensor]:
-    """Every watched output and the logits, with the RNG reseeded so that dropout draws the same
+def _run(model: GPT, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
+    """Every watched output, then the logits; the RNG is reseeded so that dropout draws the same
     masks on every call."""
-    with torch.random.fork_rng(devices=[]), _watching(model) as outputs:
+    parts, blocks = ("ln_1", "attn", "ln_2", "mlp"), enumerate(model.transformer.h)
+    watched = {model.transformer.drop: "embeddings"}
+    watched |= {getattr(block, p): f"layer {i} {p}" for i, block in blocks for p in parts}
+    watched |= {model.transformer.ln_f: "ln_f", model.lm_head: "lm_head"}
+    outputs: Outputs = {}
+
+    def record(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if module in watched:  # a global hook: every module of every model calls it
+            outputs[watched[module]] = out
+
+    with register_module_forward_hook(record), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         logits, _ = model(idx, **kwargs)
     return {**outputs, "logits": logits}
 
 
 def _first_change(
-    base: dict[str, torch.Tensor], other: dict[str, torch.Tensor], end: int, tol: float
-) -> tuple[str, float, int] | None:
-    """(name, size, position) of the first watched output whose positions < end differ by more
-    than tol times its own scale (its largest magnitude), at its largest difference; None if
-    none does. Relative, because a norm scales a small difference in its input up to its own
-    output's size: float32 rounding stays below 1e-6 of each output's scale."""
+    base: Outputs, other: Outputs, end: int, tol: float, source: int | None
+) -> Leak | None:
+    """The first watched output whose positions < end differ by more than tol times its own
+    scale (its largest magnitude), at its largest difference, as a leak from `source`. Relative,
+    because a norm scales a small difference in its input up to its own output's size: float32
+    rounding stays below 1e-6 of each output's scale."""
     for name, b in base.items():
         diff = (other[name][:, :end] - b[:, :end]).abs().flatten(2).amax(dim=(0, 2))  # (end,)
-        if diff.numel() and diff.max() > tol * b.abs().max():
-            return name, diff.max().item(), int(diff.argmax())
+        if diff.max() > tol * b.abs().max():
+            return Leak(name, int(diff.argmax()), source, diff.max().item())
     return None
 
 
@@ -199,92 +159,75 @@ def _first_change(
 
 
 @torch.no_grad()
-def perturbation_check(
-    model: GPT, idx: torch.Tensor, seed: int = 0, rtol: float = 1e-6, name: str = "perturbation"
-) -> CheckResult:
+def perturbation_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
     """For each position s > 0, replace the token at s with another one: no watched output at
-    positions < s may move (by more than rtol times its scale: the past is computed exactly as
+    positions < s may move (by more than 1e-6 times its scale: the past is computed exactly as
     before, so it does not move at all) and the logits at s must move.
     Works in train mode too (dropout masks are reseeded)."""
     B, T = idx.shape
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     base = _run(model, idx, seed)
-    order = list(base)  # the watched outputs in forward order, then the logits
-    result = CheckResult(name, "change in the past", max(T - 1, 0), 0.0)
+    largest, leaks, problems = 0.0, [], []
     for s in range(1, T):
         perturbed = idx.clone()
         shift = torch.randint(1, V, (B,), generator=gen).to(idx.device)
         perturbed[:, s] = (idx[:, s] + shift) % V  # a different token in every row
         out = _run(model, perturbed, seed)
-        past = (out["logits"][:, :s] - base["logits"][:, :s]).abs().max().item()
-        result.largest = max(result.largest, past)
-        change = _first_change(base, out, s, rtol)
-        if change is not None:  # keep the earliest output in forward order, then the largest
-            where, size, t = change
-            rank = (order.index(where), -size)
-            if result.leak is None or rank < (order.index(result.leak.where), -result.leak.size):
-                result.leak = Leak(where, t, s, size)
+        largest = max(largest, (out["logits"][:, :s] - base["logits"][:, :s]).abs().max().item())
+        leaks.append(_first_change(base, out, s, 1e-6, source=s))
         if torch.equal(out["logits"][:, s], base["logits"][:, s]):
-            result.problems.append(f"the logits at t={s} ignore the token at t={s}")
-    return result
+            problems.append(f"the logits at t={s} ignore the token at t={s}")
+    order = list(base)  # report the earliest output in forward order, then the largest change
+    found = [leak for leak in leaks if leak is not None]
+    leak = min(found, key=lambda leak: (order.index(leak.where), -leak.size), default=None)
+    return CheckResult("perturbation", "change in the past", T - 1, largest, leak, problems)
 
 
-def jacobian_check(
-    model: GPT, idx: torch.Tensor, seed: int = 0, name: str = "jacobian"
-) -> CheckResult:
+def jacobian_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
     """d logits[:, t] / d embedding[:, s] must be exactly zero for every s > t (and not all
     zero for s <= t). On a violation, the first watched output with a nonzero gradient from a
     later position is the leak."""
     T = idx.size(1)
-    inputs: list[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
 
     def as_leaf(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        inputs.append(out.detach().requires_grad_(True))
-        return inputs[-1]  # (B, T, C): what the rest of the model sees
+        leaves.append(out.detach().requires_grad_(True))
+        return leaves[-1]  # (B, T, C): what the rest of the model sees
 
-    handle = _token_embedding(model).register_forward_hook(as_leaf)
-    try:
-        with torch.enable_grad():
-            outputs = _run(model, idx, seed)
-    finally:
-        handle.remove()
-    (emb,) = inputs
+    with torch.enable_grad(), model.transformer.wte.register_forward_hook(as_leaf):
+        outputs = _run(model, idx, seed)
+    (emb,) = leaves
 
-    def grads(output: torch.Tensor, t: int) -> torch.Tensor:
-        """max |d output[:, t] / d emb[:, s]| for each s: (T,)."""
-        if not output.requires_grad:
-            return torch.zeros(T)
-        (g,) = torch.autograd.grad(output[:, t].sum(), emb, retain_graph=True, allow_unused=True)
-        return torch.zeros(T) if g is None else g.abs().amax(dim=(0, 2)).cpu()
+    def jacobian(output: torch.Tensor) -> torch.Tensor:
+        """(T, T): [t, s] = max |d output[:, t] / d emb[:, s]|."""
+        rows = [
+            torch.autograd.grad(output[:, t].sum(), emb, retain_graph=True)[0] for t in range(T)
+        ]
+        return torch.stack(rows).abs().amax(dim=(1, 3)).cpu()  # from (T, B, T, C)
 
-    result = CheckResult(name, "gradient from the future", T, 0.0)
-    for t in range(T):
-        g = grads(outputs["logits"], t)
-        result.largest = max(result.largest, g[t + 1 :].max().item() if t + 1 < T else 0.0)
-        if g[: t + 1].max() == 0:
-            result.problems.append(f"the gradient of the logits at t={t} reaches no input <= t")
-    if result.largest > 0:  # localise: the first output with a gradient from the future
+    logits = jacobian(outputs["logits"])
+    problems = [
+        f"the gradient of the logits at t={t} reaches no input <= t"
+        for t in range(T)
+        if logits[t, : t + 1].max() == 0
+    ]
+    largest, leak = logits.triu(1).max().item(), None
+    if largest > 0:  # localise: the first output with a gradient from the future
         for where, output in outputs.items():
-            worst = max(((grads(output, t)[t + 1 :], t) for t in range(T - 1)), key=_peak)
-            if _peak(worst) > 0:
-                future, t = worst
-                result.leak = Leak(where, t, t + 1 + int(future.argmax()), future.max().item())
+            future = jacobian(output).triu(1)
+            if future.max() > 0:
+                t, source = divmod(int(future.argmax()), T)
+                leak = Leak(where, t, source, future.max().item())
                 break
-    return result
-
-
-def _peak(pair: tuple[torch.Tensor, int]) -> float:
-    return pair[0].max().item()
+    return CheckResult("jacobian", "gradient from the future", T, largest, leak, problems)
 
 
 @torch.no_grad()
-def kv_cache_check(
-    model: GPT, idx: torch.Tensor, rtol: float = 1e-5, name: str = "kv-cache"
-) -> CheckResult:
+def kv_cache_check(model: GPT, idx: torch.Tensor) -> CheckResult:
     """Decode idx through the KV cache, a third as a prefill, then a chunk of at least 2 tokens
     over the cache, then one token at a time: every watched output must equal the full
-    forward's within rtol times its scale (rounding: < 5e-7; rope positions off after the
+    forward's within 1e-5 times its scale (rounding: < 5e-7; rope positions off after the
     prefill: > 1e-4). Eval mode."""
     B, T = idx.shape
     full = _run(model, idx, seed=0)
@@ -292,16 +235,11 @@ def kv_cache_check(
     chunk = min(T, prefill + max(2, T // 3))
     bounds = sorted({0, prefill, chunk, *range(chunk + 1, T + 1)})  # each call's [start, end)
     cache = model.new_kv_cache(B, max_len=T)
-    calls = zip(bounds[:-1], bounds[1:], strict=True)
-    parts = [_run(model, idx[:, a:b], seed=0, cache=cache) for a, b in calls]
+    parts = [_run(model, idx[:, a:b], 0, cache=cache) for a, b in itertools.pairwise(bounds)]
     cached = {key: torch.cat([p[key] for p in parts], dim=1) for key in full}
     largest = (cached["logits"] - full["logits"]).abs().max().item()
-    result = CheckResult(name, "difference from the full forward", T, largest)
-    change = _first_change(full, cached, T, rtol)
-    if change is not None:
-        where, size, t = change
-        result.leak = Leak(where, t, None, size)
-    return result
+    leak = _first_change(full, cached, T, 1e-5, source=None)
+    return CheckResult("kv-cache", "difference from the full forward", T, largest, leak)
 
 
 # ----- every check, on every implementation -----------------------------------------------
@@ -316,7 +254,7 @@ def _variant(model: GPT, **changes: Any) -> GPT:
     return other.to(model.lm_head.weight.device)
 
 
-def random_tokens(model: GPT, seq_len: int = 8, batch_size: int = 2, seed: int = 0) -> torch.Tensor:
+def random_tokens(model: GPT, seq_len: int, batch_size: int = 2, seed: int = 0) -> torch.Tensor:
     """(batch_size, min(seq_len, block_size)) random token ids on the model's device."""
     T = min(seq_len, model.config.block_size)
     gen = torch.Generator().manual_seed(seed)
@@ -338,23 +276,17 @@ def check_causality(
     own = model.config.attention
     impls = attention or (own, *(a for a in ATTENTION_IMPLS if a != own))
     idx = random_tokens(model, seq_len, batch_size, seed)
+    dropout = model.config.dropout or TRAIN_DROPOUT
+    modes = (("eval", {}), (f"train, dropout {dropout:g}", {"dropout": dropout}))
     was_training = model.training
     checks = []
     try:
-        for impl in impls:
-            m = _variant(model, attention=impl).eval()
-            checks += [
-                perturbation_check(m, idx, seed, name=f"{impl} perturbation (eval)"),
-                jacobian_check(m, idx, seed, name=f"{impl} jacobian (eval)"),
-                kv_cache_check(m, idx, name=f"{impl} kv-cache (eval)"),
-            ]
-            dropout = model.config.dropout or TRAIN_DROPOUT
-            m = _variant(model, attention=impl, dropout=dropout).train()
-            mode = f"(train, dropout {dropout:g})"
-            checks += [
-                perturbation_check(m, idx, seed, name=f"{impl} perturbation {mode}"),
-                jacobian_check(m, idx, seed, name=f"{impl} jacobian {mode}"),
-            ]
+        for impl, (mode, changes) in itertools.product(impls, modes):
+            m = _variant(model, attention=impl, **changes).train(mode != "eval")
+            found = [perturbation_check(m, idx, seed), jacobian_check(m, idx, seed)]
+            if not m.training:
+                found.append(kv_cache_check(m, idx))
+            checks += [dataclasses.replace(c, name=f"{impl} {c.name} ({mode})") for c in found]
     finally:
         model.train(was_training)
     return CausalityReport(checks)
@@ -368,57 +300,22 @@ def assert_causal(model: GPT, **kwargs: Any) -> None:
         raise CausalityError("the model is not causal:\n" + "\n".join(report.failures()))
 
 
-def find_leaks(
-    model: GPT, batch_size: int = 2, seq_len: int | None = None, seed: int = 0
-) -> list[str]:
+def find_leaks(model: GPT) -> list[str]:
     """The perturbation and Jacobian checks on the model as it is (its mode and attention);
     one line per failure, [] when no leak was found."""
-    idx = random_tokens(model, seq_len or 16, batch_size, seed)
-    checks = [perturbation_check(model, idx, seed), jacobian_check(model, idx, seed)]
-    return CausalityReport(checks).failures()
-
-
-# ----- the guard: a shrunk copy of an architecture ----------------------------------------
+    idx = random_tokens(model, seq_len=16)
+    return CausalityReport([perturbation_check(model, idx), jacobian_check(model, idx)]).failures()
 
 
 def shrunk_config(model_values: dict[str, Any], max_layers: int | None = None) -> GPTConfig:
     """The architecture of `model_values` (a model config; vocab_size may be null) at the
     SHRUNK_SIZES, with its head count and (up to max_layers) its layers. zero_init_proj is
     turned off: it changes only the initial values, and zeroed projections would hide a leak."""
-    original = GPTConfig.from_dict({**model_values, "vocab_size": 1}).to_dict()  # validated
-    values = {**original, "n_embd": SHRUNK_HEAD_SIZE * original["n_head"], "zero_init_proj": False}
-    values["n_layer"] = min(original["n_layer"], max_layers or original["n_layer"])
-    values["vocab_size"] = SHRUNK_SIZES["vocab_size"]
-    for key in ("block_size", "flash_block_q", "flash_block_k"):
-        values[key] = min(original[key], SHRUNK_SIZES[key])
-    return GPTConfig(**values)
-
-
-def guard_report(model_values: dict[str, Any], seed: int = 0) -> tuple[CausalityReport, dict]:
-    """Check a shrunk copy of the architecture with its own attention implementation, leaving
-    torch's RNG as it was. Returns the report and the record kept with checkpoints."""
-    config = shrunk_config(model_values, GUARD_LAYERS)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = GPT(config)
-    sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("n_layer", "n_embd", "vocab_size"))
-    return _timed_report(model, f"a shrunk copy (same options): {sizes}", seed)
-
-
-def loaded_model_report(model: GPT, seed: int = 0) -> tuple[CausalityReport, dict]:
-    """The guard for loaded weights, whose architecture cannot be shrunk: the model itself,
-    with its own attention implementation, on a short sequence."""
-    c = model.config
-    return _timed_report(model, f"the loaded model: n_layer={c.n_layer}, n_embd={c.n_embd}", seed)
-
-
-def _timed_report(model: GPT, description: str, seed: int) -> tuple[CausalityReport, dict]:
-    start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        report = check_causality(model, seed=seed, attention=(model.config.attention,))
-    record = {
-        **report.summary(),
-        "model": description,
-        "seconds": round(time.perf_counter() - start, 3),
-    }
-    return report, record
+    config = GPTConfig.from_dict({**model_values, "vocab_size": SHRUNK_SIZES["vocab_size"]})
+    return dataclasses.replace(
+        config,
+        n_embd=SHRUNK_HEAD_SIZE * config.n_head,
+        n_layer=min(config.n_layer, max_layers or config.n_layer),
+        zero_init_proj=False,
+        **{key: min(getattr(config, key), size) for key, size in SHRUNK_SIZES.items()},
+    )

@@ -23,6 +23,7 @@ from model.causality import (
     find_leaks,
     jacobian_check,
     perturbation_check,
+    shrunk_config,
 )
 from model.config import MLPS, NORMS, POS_EMBEDDINGS
 from tests.model.conftest import (
@@ -33,39 +34,25 @@ from tests.model.conftest import (
     random_projections,
 )
 
-HEAD_SIZE = 4  # narrow heads keep gpt2-xl's 25 heads fast
 # At most 2 layers of each preset: the causal mask is the same in every layer, so a leak shows
 # at depth 1, and a second layer covers a leak reaching the logits through a later layer.
 # gpt2-xl's 48 layers made its cases 10-40 s each and told nothing that 2 layers do not.
 MAX_LAYERS = 2
 
 
-def scaled_preset(name: str, attention: str, dropout: float) -> GPTConfig:
-    p = load_preset(name)
-    return GPTConfig(
-        vocab_size=97,
-        block_size=16,
-        n_layer=min(p["n_layer"], MAX_LAYERS),
-        n_head=p["n_head"],
-        n_embd=HEAD_SIZE * p["n_head"],
-        dropout=dropout,
-        bias=p["bias"],
-        attention=attention,
-        tie_embeddings=p["tie_embeddings"],
-    )
+DROPOUT = {"eval": 0.0, "train": 0.1}
 
 
-def with_options(options: str, attention: str, dropout: float) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=97,
-        block_size=16,
-        n_layer=2,
-        n_head=2,
-        n_embd=16,
-        dropout=dropout,
-        attention=attention,
-        **ARCHITECTURES[options],
-    )
+def scaled_preset(name: str, attention: str, mode: str = "eval") -> GPTConfig:
+    """The preset's options and head count at 4 dimensions per head (narrow heads keep gpt2-xl's
+    25 heads fast) and a 64-token vocabulary: the copy check_causality.py and the guard check."""
+    config = shrunk_config(load_preset(name), MAX_LAYERS)
+    return dataclasses.replace(config, attention=attention, dropout=DROPOUT[mode])
+
+
+def with_options(options: str, attention: str, mode: str = "eval") -> GPTConfig:
+    sizes = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    return GPTConfig(**sizes, dropout=DROPOUT[mode], attention=attention, **ARCHITECTURES[options])
 
 
 def test_every_preset_is_covered():
@@ -100,7 +87,7 @@ def causal_in(config: GPTConfig, mode: str) -> None:
     """Both checks find no leak, in eval mode or in train mode (dropout on)."""
     torch.manual_seed(0)
     model = random_projections(GPT(config)).train(mode == "train")
-    idx = torch.randint(0, 97, (2, 10))
+    idx = torch.randint(0, 64, (2, 10))
     for check in (perturbation_check(model, idx), jacobian_check(model, idx)):
         assert check.passed, check.line()
         assert check.largest == 0.0
@@ -110,14 +97,14 @@ def causal_in(config: GPTConfig, mode: str) -> None:
 @pytest.mark.parametrize("attention", ATTENTION_IMPLS)
 @pytest.mark.parametrize("preset", preset_names())
 def test_future_tokens_cannot_change_past_logits(preset, attention, mode):
-    causal_in(scaled_preset(preset, attention, dropout=0.1 if mode == "train" else 0.0), mode)
+    causal_in(scaled_preset(preset, attention, mode), mode)
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("attention", ATTENTION_IMPLS)
 @pytest.mark.parametrize("options", ARCHITECTURES)
 def test_every_architecture_option_is_causal(options, attention, mode):
-    causal_in(with_options(options, attention, dropout=0.1 if mode == "train" else 0.0), mode)
+    causal_in(with_options(options, attention, mode), mode)
 
 
 def _leaky(model: GPT, allowed: torch.Tensor) -> GPT:
@@ -139,9 +126,9 @@ def test_checks_catch_a_leaky_mask_and_localise_it(options, leak, mode):
     """rope moves positions into attention: a leak must still show once it does; nothing
     before layer 0's attention sees the future, so that is where it enters."""
     torch.manual_seed(0)
-    config = with_options(options, "manual", dropout=0.1 if mode == "train" else 0.0)
+    config = with_options(options, "manual", mode)
     model = _leaky(random_projections(GPT(config)).train(mode == "train"), LEAKS[leak](16))
-    idx = torch.randint(0, 97, (3, 10))
+    idx = torch.randint(0, 64, (3, 10))
     for check in (perturbation_check(model, idx), jacobian_check(model, idx)):
         assert not check.passed and check.largest > 0
         assert check.leak.where == "layer 0 attn" and check.leak.source > check.leak.t
@@ -155,7 +142,7 @@ def test_checks_catch_sdpa_without_is_causal(monkeypatch):
         F, "scaled_dot_product_attention", lambda *a, is_causal, **k: sdpa(*a, is_causal=False, **k)
     )
     torch.manual_seed(0)
-    model = GPT(scaled_preset("nano", "sdpa", dropout=0.0)).eval()
+    model = GPT(scaled_preset("nano", "sdpa")).eval()
     leaks = find_leaks(model)
     assert leaks and all("leak: layer 0 attn: output at t=" in line for line in leaks)
 
@@ -163,24 +150,24 @@ def test_checks_catch_sdpa_without_is_causal(monkeypatch):
 def test_a_model_blind_to_its_own_input_is_reported():
     """The second half of the perturbation check: logits at s must react to the token at s."""
     torch.manual_seed(0)
-    config = scaled_preset("nano", "manual", dropout=0.0)
+    config = scaled_preset("nano", "manual")
     config.tie_embeddings = False
     model = GPT(config).eval()
     with torch.no_grad():
         model.transformer.wte.weight.zero_()  # every token looks the same
-    check = perturbation_check(model, torch.randint(0, 97, (2, 8)))
+    check = perturbation_check(model, torch.randint(0, 64, (2, 8)))
     assert check.leak is None and len(check.problems) == 7 and not check.passed
     assert all("ignore the token" in p for p in check.problems)
 
 
 def test_find_leaks_is_empty_for_the_default_model():
     torch.manual_seed(0)
-    assert find_leaks(GPT(scaled_preset("mini", "manual", dropout=0.1)).train()) == []
+    assert find_leaks(GPT(scaled_preset("mini", "manual", "train")).train()) == []
 
 
 def test_check_causality_runs_every_check_on_every_implementation_and_keeps_the_mode():
     torch.manual_seed(0)
-    model = GPT(with_options("all", "sdpa", dropout=0.0)).train()
+    model = GPT(with_options("all", "sdpa")).train()
     report = check_causality(model, seq_len=6)
     assert report.causal and report.first_leak is None and model.training
     kinds = ["perturbation (eval)", "jacobian (eval)", "kv-cache (eval)"]
@@ -194,7 +181,7 @@ def test_check_causality_runs_every_check_on_every_implementation_and_keeps_the_
 
 def test_assert_causal_passes_quietly_and_raises_with_the_localised_report():
     torch.manual_seed(0)
-    model = GPT(with_options("gpt2", "manual", dropout=0.0))
+    model = GPT(with_options("gpt2", "manual"))
     assert_causal(model, seq_len=6)
     _leaky(model, LEAKS["off by one"](16))
     with pytest.raises(CausalityError, match="manual perturbation \\(eval\\): leak: layer 0 attn"):

@@ -7,7 +7,7 @@ that lets the future in."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 
 import check_causality
 from base.errors import ConfigError
-from model import GPT
+from model import GPT, load_preset
 from model.attention import CausalSelfAttention
 from model.causality import check_causality as causality_report
 from model.causality import shrunk_config
@@ -98,60 +98,51 @@ def _rope_restarting_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RotaryTables, "forward", lambda self, start, T: forward(self, 0, T))
 
 
+FUTURE = ("perturbation (eval)", "jacobian (eval)", "kv-cache (eval)")
+TRAIN = ("perturbation (train, dropout 0.1)", "jacobian (train, dropout 0.1)")
+KV_CACHE = ("kv-cache (eval)",)
+
+
 @dataclass
 class Control:
     patch: Callable[[pytest.MonkeyPatch], None]
     where: str  # the sublayer the report must name
-    catches: tuple[str, ...]  # the checks (of the model's own attention) that must fail
-    options: dict  # the model config's values
+    options: dict = field(default_factory=dict)  # the model config's values
+    catches: tuple[str, ...] = FUTURE + TRAIN  # the checks (of its own attention) that must fail
 
 
-FUTURE = ("perturbation (eval)", "jacobian (eval)", "kv-cache (eval)")
-TRAIN = ("perturbation (train, dropout 0.1)", "jacobian (train, dropout 0.1)")
 CONTROLS = {
     "mask off by one": Control(
         lambda mp: _after_init(mp, CausalSelfAttention, _mask_in_layer(1, diagonal=1)),
         "layer 1 attn",
-        FUTURE + TRAIN,
-        {},
     ),
     "no mask": Control(
         lambda mp: _after_init(mp, CausalSelfAttention, _mask_in_layer(0, diagonal=None)),
         "layer 0 attn",
-        FUTURE + TRAIN,
-        {},
     ),
     "mask right for the full forward, wrong for the cache": Control(
-        _sdpa_without_mask_on_the_cache, "layer 0 attn", ("kv-cache (eval)",), {"attention": "sdpa"}
+        _sdpa_without_mask_on_the_cache, "layer 0 attn", {"attention": "sdpa"}, KV_CACHE
     ),
     "MLP mixing neighbouring positions": Control(
-        lambda mp: _after_init(mp, Block, _replace("mlp", NeighbourMLP, layer=1)),
-        "layer 1 mlp",
-        FUTURE + TRAIN,
-        {},
+        lambda mp: _after_init(mp, Block, _replace("mlp", NeighbourMLP, layer=1)), "layer 1 mlp"
     ),
     "norm across the sequence in a block": Control(
         lambda mp: _after_init(mp, Block, _replace("ln_2", SequenceNorm, layer=0)),
         "layer 0 ln_2",
-        FUTURE + TRAIN,
         {"norm": "rmsnorm"},
     ),
     "final norm across the sequence": Control(
         lambda mp: _after_init(mp, GPT, lambda m: _replace("ln_f", SequenceNorm)(m.transformer)),
         "ln_f",
-        FUTURE + TRAIN,
-        {},
     ),
     "rope positions restarting after the cache": Control(
-        _rope_restarting_at_zero, "layer 0 attn", ("kv-cache (eval)",), {"pos_embedding": "rope"}
+        _rope_restarting_at_zero, "layer 0 attn", {"pos_embedding": "rope"}, KV_CACHE
     ),
 }
 
 
 def _model_values(options: dict) -> dict:
     """The `nano` preset as a run config holds it, with the control's options."""
-    from model import load_preset
-
     return {**load_preset("nano"), **options}
 
 
@@ -172,7 +163,7 @@ def test_the_report_catches_and_localises(control, monkeypatch):
     for check in report.checks:
         if check.leak is not None:
             assert check.leak.where == c.where, check.line()  # every check agrees
-    if "kv-cache (eval)" in c.catches and len(c.catches) == 1:
+    if c.catches == KV_CACHE:
         assert str(leak).startswith(f"leak: {c.where}: cached output at t=")
     else:
         assert str(leak).startswith(f"leak: {c.where}: output at t=")
