@@ -92,14 +92,12 @@ def load_source(
     if name in GPT2_NAMES and not Path(name).exists():
         ckpt = load_hf_dir(download_gpt2(name), device, **overrides)
         ckpt.meta["source"] = name
-    else:
-        path = Path(name).expanduser()
-        if is_hf_dir(path):
-            ckpt = load_hf_dir(path, device, **overrides)
-        else:
-            try:
-                path = resolve_our_checkpoint(path)
-            except CheckpointError as e:
-                raise CheckpointError(f"{e}; a model source is {ACCEPTED}") from None
-            ckpt = load_checkpoint(path, device, **overrides)
-    return ckpt
+        return ckpt
+    path = Path(name).expanduser()
+    if is_hf_dir(path):
+        return load_hf_dir(path, device, **overrides)
+    try:
+        path = resolve_our_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; a model source is {ACCEPTED}") from None
+    return load_checkpoint(path, device, **overrides)

@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from base.files import recover_swap, sha256_file, write_dir_atomic
 from data import PreparedData
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
-from model.weights import check_config_against_weights, read_safetensors_header
+from model.weights import check_config_against_weights, read_safetensors_header, stored_state
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -56,7 +56,7 @@ class Checkpoint:
     model: GPT
     run_config: dict[str, Any]
     meta: dict[str, Any]
-    trainer_state: dict[str, Any] | None = field(default=None)
+    trainer_state: dict[str, Any] | None = None
 
     @property
     def tokenizer_name(self) -> str:
@@ -96,7 +96,7 @@ def check_writable(directory: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def _os_errors(file: Path) -> Iterator[None]:
+def _os_errors() -> Iterator[None]:
     """Let a failed write surface as the OSError behind it. safetensors reports a full disk as
     SafetensorError("... No space left on device (os error 28)"), and torch.save into a file
     object as a RuntimeError ("unexpected pos ...") raised while handling the OSError."""
@@ -107,16 +107,8 @@ def _os_errors(file: Path) -> Iterator[None]:
             raise e.__context__ from e
         if match := re.search(r"os error (\d+)", str(e)):
             code = int(match[1])
-            raise OSError(code, os.strerror(code), str(file)) from e
+            raise OSError(code, os.strerror(code)) from e
         raise
-
-
-def model_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The weights to save: contiguous CPU tensors, the tied head stored once (as wte)."""
-    sd = model.state_dict()
-    if model.config.tie_embeddings:
-        sd.pop("lm_head.weight")
-    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
 def save_checkpoint(
@@ -134,8 +126,26 @@ def save_checkpoint(
     path and the cause; the previous checkpoint at `path` is left as it was, and the partial
     new one is removed."""
     path = Path(path)
+
+    def fill(tmp: Path) -> None:
+        with _os_errors():
+            state = {k: v.cpu().contiguous() for k, v in stored_state(model).items()}
+            save_file(state, str(tmp / MODEL_FILE))
+        config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        if trainer_state is not None:
+            with _os_errors(), open(tmp / TRAINER_FILE, "wb") as f:
+                torch.save(trainer_state, f)
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        manifest = {
+            f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+            for f in sorted(tmp.iterdir())
+        }
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
     try:
-        _write_checkpoint(path, model, run_config, meta, trainer_state, tokenizer_file)
+        write_dir_atomic(path, fill)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {path}: {e.strerror or e}; {_previous(path)}"
@@ -154,37 +164,6 @@ def _previous(path: Path) -> str:
     return f"the previous checkpoint at {path}{at} is intact"
 
 
-def _write_checkpoint(
-    path: Path,
-    model: GPT,
-    run_config: dict[str, Any],
-    meta: dict[str, Any],
-    trainer_state: dict[str, Any] | None,
-    tokenizer_file: str | Path | None = None,
-) -> None:
-    def fill(tmp: Path) -> None:
-        with _os_errors(tmp / MODEL_FILE):
-            save_file(model_state(model), str(tmp / MODEL_FILE))
-        config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        files = [MODEL_FILE, CONFIG_FILE]
-        if trainer_state is not None:
-            with _os_errors(tmp / TRAINER_FILE), open(tmp / TRAINER_FILE, "wb") as f:
-                torch.save(trainer_state, f)
-            files.append(TRAINER_FILE)
-        if tokenizer_file is not None:
-            with _os_errors(tmp / TOKENIZER_FILE):
-                shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-            files.append(TOKENIZER_FILE)
-        manifest = {
-            name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-            for name in files
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-
-    write_dir_atomic(path, fill)
-
-
 def is_complete(path: Path) -> bool:
     """Whether `path` holds a checkpoint whose write finished (it has its manifest)."""
     recover_swap(path)
@@ -192,29 +171,42 @@ def is_complete(path: Path) -> bool:
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check the manifest (sizes and sha256) and return the parsed, checked config.json."""
-    return _verify(Path(path))[1]
+    """Check a checkpoint against its manifest and return its parsed, checked config.json.
 
-
-def _verify(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(manifest, config.json) of a checkpoint, after checking that every file it names is a
-    plain file inside `path` (no file is opened before all the names pass), that every file
-    the loader reads is listed, and every listed file's size and sha256."""
-    recover_swap(path)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint at {path}")
-    manifest = _read_manifest(path)
-    for name in manifest:
-        _inside(path, name)
+    Every name the manifest lists must be a plain file name (all are checked before any file is
+    opened) and lead to a file inside `path`; every file the loader reads must be listed; every
+    listed file's size and sha256 must match."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
+    manifest_file = _inside(path, MANIFEST_FILE)
+    manifest = _read_json(manifest_file)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_file} is corrupt: not a JSON object")
+    for name, entry in manifest.items():
+        if name in ("", ".", "..") or set(name) & set("/\\\0"):
+            raise CheckpointError(
+                f"{manifest_file} lists {name!r}, which is not a plain file name inside the "
+                "checkpoint (no separators, '..' or absolute paths): refusing to open it"
+            )
+        if not (
+            isinstance(entry, dict)
+            and type(entry.get("bytes")) is int
+            and re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))
+        ):
+            raise CheckpointError(
+                f"{manifest_file} is corrupt: the entry for {name!r} is not "
+                '{"bytes": <size>, "sha256": <64 hex digits>}'
+            )
     for name in (MODEL_FILE, CONFIG_FILE, TRAINER_FILE, TOKENIZER_FILE):
         required = name in (MODEL_FILE, CONFIG_FILE)
         if name not in manifest and (required or os.path.lexists(path / name)):
             raise CheckpointError(
-                f"checkpoint file {path / name} is not listed in {path / MANIFEST_FILE}: "
+                f"checkpoint file {path / name} is not listed in {manifest_file}: "
                 "nothing unverified is read"
             )
     for name, expected in manifest.items():
-        file = path / name
+        file = _inside(path, name)
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
         if file.stat().st_size != expected["bytes"]:
@@ -224,66 +216,7 @@ def _verify(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
-    return manifest, _read_config(path / CONFIG_FILE)
-
-
-def _read_json(file: Path) -> Any:
-    """A small JSON file; anything else is a CheckpointError naming it."""
-    if file.stat().st_size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{file} is corrupt: {e}") from None
-
-
-def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
-    file = _inside(path, MANIFEST_FILE)
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST_FILE})")
-    manifest = _read_json(file)
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{file} is corrupt: not a JSON object")
-    for name, entry in manifest.items():
-        if not _plain_name(name):
-            raise CheckpointError(
-                f"{file} lists {name!r}, which is not a plain file name inside the checkpoint "
-                "(no separators, '..' or absolute paths): refusing to open it"
-            )
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        digest = entry.get("sha256") if isinstance(entry, dict) else None
-        if not (
-            isinstance(size, int)
-            and not isinstance(size, bool)
-            and size >= 0
-            and isinstance(digest, str)
-            and re.fullmatch(r"[0-9a-f]{64}", digest)
-        ):
-            raise CheckpointError(
-                f"{file} is corrupt: the entry for {name!r} is not "
-                '{"bytes": <size>, "sha256": <64 hex digits>}'
-            )
-    return manifest
-
-
-def _plain_name(name: str) -> bool:
-    """A file name that can only mean a file directly inside the checkpoint directory."""
-    return (
-        name not in ("", ".", "..")
-        and Path(name).name == name
-        and not any(c in name for c in ("/", "\\", "\0"))
-    )
-
-
-def _inside(path: Path, name: str) -> Path:
-    """path / name, refused if it is a symlink leading out of `path` (checked without opening
-    it: a name resolves through links, not through the file)."""
-    file = path / name
-    if file.is_symlink() and file.resolve().parent != path.resolve():
-        raise CheckpointError(
-            f"checkpoint file {file} is a symlink leading out of {path}: refusing to read it"
-        )
-    return file
+    return _read_config(path / CONFIG_FILE)
 
 
 def _read_config(file: Path) -> dict[str, Any]:
@@ -292,20 +225,39 @@ def _read_config(file: Path) -> dict[str, Any]:
     config = _read_json(file)
     if not isinstance(config, dict):
         raise CheckpointError(f"{file}: not a JSON object")
-    unknown = sorted(set(config) - {"model", "run", "meta"})
-    if unknown:
+    if unknown := sorted(set(config) - {"model", "run", "meta"}):
         raise CheckpointError(f"{file}: unknown key(s) {unknown}; known: model, run, meta")
     for key in ("model", "run", "meta"):
         if not isinstance(config.get(key), dict):
             raise CheckpointError(f"{file}: {key} must be a JSON object, got {config.get(key)!r}")
     data = config["run"].get("data")
-    if data is not None and not isinstance(data, dict):
+    if not isinstance(data, (dict, type(None))):
         raise CheckpointError(f"{file}: run.data must be a JSON object, got {data!r}")
     for where, values in (("meta", config["meta"]), ("run.data", data or {})):
-        tokenizer = values.get("tokenizer")
-        if tokenizer is not None and not isinstance(tokenizer, str):
+        if not isinstance(tokenizer := values.get("tokenizer"), (str, type(None))):
             raise CheckpointError(f"{file}: {where}.tokenizer must be a string, got {tokenizer!r}")
     return config
+
+
+def _read_json(file: Path) -> Any:
+    """A small JSON file; anything else is a CheckpointError naming it."""
+    if file.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+
+
+def _inside(path: Path, name: str) -> Path:
+    """path / name, refused if it is a symlink leading out of `path` (checked without opening
+    it: a name resolves through links, not through the file)."""
+    file = path / name
+    if file.resolve().parent != path.resolve():
+        raise CheckpointError(
+            f"checkpoint file {file} is a symlink leading out of {path}: refusing to read it"
+        )
+    return file
 
 
 def load_checkpoint(
@@ -317,23 +269,29 @@ def load_checkpoint(
     """Load a verified checkpoint. Nothing in it can execute code: weights are safetensors and
     the trainer state is read with torch.load(weights_only=True). Nothing it claims is believed
     before it is checked: the config's fields like command-line values, and the config against
-    the shapes in the weights' header, before the model is allocated.
+    the shapes in the weights' header (no tensor read, no model allocated) before the model is
+    built, so that the weights then load as they are.
     model_overrides replace GPTConfig fields (e.g. attention="sdpa", dropout=0.0)."""
     path = Path(path)
-    manifest, config = _verify(path)
-    model_config = _checked_model_config(path, config["model"], model_overrides)
+    config = verify_checkpoint(path)
     try:
-        model = GPT(model_config)
-        state = load_file(str(path / MODEL_FILE), device="cpu")
-        if model_config.tie_embeddings:
-            state["lm_head.weight"] = state["transformer.wte.weight"]
-        model.load_state_dict(state)
-    except (SafetensorError, RuntimeError, KeyError) as e:
+        tensors = read_safetensors_header(path / MODEL_FILE)
+    except ValueError as e:
         raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
+    try:
+        model_config = GPTConfig.from_dict({**config["model"], **model_overrides})
+        check_config_against_weights(model_config, tensors, f"the weights in {MODEL_FILE}")
+    except ValueError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
+    model = GPT(model_config)
+    state = load_file(str(path / MODEL_FILE))
+    if model_config.tie_embeddings:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    model.load_state_dict(state)
     trainer_state = None
     if with_trainer_state:
         file = path / TRAINER_FILE
-        if TRAINER_FILE not in manifest:
+        if not file.exists():  # verified: present if and only if the manifest lists it
             raise CheckpointError(f"{path} has no trainer state ({TRAINER_FILE}) to resume from")
         try:
             trainer_state = torch.load(file, map_location="cpu", weights_only=True)
@@ -342,41 +300,18 @@ def load_checkpoint(
     return Checkpoint(path, model.to(device), config["run"], config["meta"], trainer_state)
 
 
-def _checked_model_config(
-    path: Path, values: dict[str, Any], overrides: dict[str, Any]
-) -> GPTConfig:
-    """The GPTConfig config.json claims (with overrides), checked field by field and against
-    the shapes in model.safetensors' header: no tensor is read, no model allocated."""
-    try:
-        model_config = GPTConfig.from_dict({**values, **overrides})
-    except ValueError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
-    try:
-        tensors = read_safetensors_header(path / MODEL_FILE)
-    except ValueError as e:
-        raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
-    try:
-        check_config_against_weights(model_config, tensors, f"the weights in {MODEL_FILE}")
-    except ValueError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
-    return model_config
-
-
 def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     """A checkpoint directory from a checkpoint directory, a run directory (its `prefer`
     checkpoint, else the other), or a `checkpoints/` directory."""
     path = Path(path).expanduser()
-    candidates = [path]
-    for base in (path / "checkpoints", path):
-        order = (prefer, "last" if prefer == "best" else "best")
-        candidates += [base / name for name in order]
+    order = (prefer, "last" if prefer == "best" else "best")
+    candidates = [path, *(base / name for base in (path / "checkpoints", path) for name in order)]
     for candidate in candidates:
         if is_complete(candidate):
             return candidate
+    looked = ", ".join(map(str, candidates))
     raise CheckpointError(
-        f"no checkpoint found at {path} (looked for {MANIFEST_FILE} in: "
-        + ", ".join(str(c) for c in candidates)
-        + ")"
+        f"no checkpoint found at {path} (looked for {MANIFEST_FILE} in: {looked})"
     )
 
 
@@ -391,16 +326,14 @@ def find_checkpoint(path: str | Path | None, prefer: str = "best") -> Path:
 def latest_checkpoint(runs_root: str | Path = "outputs", prefer: str = "best") -> Path:
     """The newest run's checkpoint under `runs_root` (Hydra's default output tree)."""
     root = Path(runs_root).expanduser()
-    manifests = sorted(
-        root.glob(f"**/checkpoints/*/{MANIFEST_FILE}"), key=lambda p: p.stat().st_mtime
-    )
-    manifests = [m for m in manifests if not m.parent.name.startswith(".")]
-    if not manifests:
+    manifests = root.glob(f"**/checkpoints/[!.]*/{MANIFEST_FILE}")  # not a write's temporaries
+    newest = max(manifests, key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None:
         raise CheckpointError(
             f"no checkpoint found under {root.resolve()}: train one with `python train.py`, "
             "or pass checkpoint=<run dir>"
         )
-    return resolve_checkpoint(manifests[-1].parent.parent.parent, prefer)
+    return resolve_checkpoint(newest.parents[2], prefer)
 
 
 STEP_PREFIX = "step-"  # step checkpoints: checkpoints/step-<step>/ (train.keep_checkpoints)

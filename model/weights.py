@@ -1,9 +1,8 @@
 """What a weights file says, checked before anything is allocated for it.
 
-A safetensors file starts with an 8-byte little-endian length N and N bytes of JSON naming
-every tensor's dtype, shape and byte range; the tensors follow. `read_safetensors_header`
-reads only that header (no tensor data) and checks that the byte ranges tile the rest of the
-file exactly, so the shapes it returns are backed by bytes that really exist: whoever loads the
+`read_safetensors_header` reads a safetensors file's header alone (no tensor data) through
+safetensors itself, which refuses a header whose byte ranges do not tile the rest of the file
+exactly: the shapes it returns are backed by bytes that really exist, so whoever loads the
 tensors allocates no more than the file's size. `check_config_against_weights` compares a
 claimed GPTConfig with those shapes, naming the key and both values, on a model built on the
 meta device (no memory), before the real model is built.
@@ -11,24 +10,16 @@ meta device (no memory), before the real model is built.
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import struct
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from model.config import GPTConfig
 from model.gpt import GPT
 
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-# safetensors dtype -> bytes per element (the formats safetensors writes)
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what a model's weights may be stored as
 
 
@@ -40,77 +31,27 @@ class TensorInfo(NamedTuple):
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone.
     Raises ValueError naming the file if the header is malformed or claims bytes it lacks."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path} is not a safetensors file: it has only {size} bytes")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(
-                f"{path} is not a safetensors file: its header claims {n:,} bytes "
-                f"(the file has {size:,})"
-            )
-        raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise ValueError(f"{path} is not a safetensors file: its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
-    header.pop("__metadata__", None)
-    tensors, ranges = {}, []
-    for name, entry in header.items():
-        tensors[name], span = _tensor_entry(path, name, entry)
-        ranges.append((*span, name))
-    end = 0  # the byte ranges must tile the data exactly: no overlaps, nothing unaccounted
-    for begin, stop, name in sorted(ranges):
-        if begin != end:
-            raise ValueError(f"{path}: tensor {name!r} starts at byte {begin:,}, expected {end:,}")
-        end = stop
-    if end != size - 8 - n:
-        raise ValueError(
-            f"{path}: its tensors hold {end:,} bytes but the file has {size - 8 - n:,} after the "
-            "header: it is truncated or was modified"
-        )
-    return tensors
+        with safe_open(str(path), "pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            return {k: TensorInfo(s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
 
 
-def _tensor_entry(path: Path, name: str, entry: object) -> tuple[TensorInfo, tuple[int, int]]:
-    """One header entry, checked: (dtype, shape) and its byte range [begin, end)."""
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise ValueError(f"{path}: header entry {name!r} is not a tensor description")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(_natural(d) for d in shape)):
-        raise ValueError(f"{path}: tensor {name!r} has a bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))):
-        raise ValueError(f"{path}: tensor {name!r} has bad data_offsets {offsets!r}")
-    begin, end = offsets
-    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
-        raise ValueError(
-            f"{path}: tensor {name!r} of shape {tuple(shape)} and dtype {dtype} needs "
-            f"{math.prod(shape) * DTYPE_BYTES[dtype]:,} bytes, its header gives it {end - begin:,}"
-        )
-    return TensorInfo(dtype, tuple(shape)), (begin, end)
-
-
-def _natural(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def stored_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` stores: its state, a tied head once (as wte)."""
+    state = model.state_dict()
+    if model.config.tie_embeddings:
+        del state["lm_head.weight"]
+    return state
 
 
 def stored_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor a checkpoint of `config` stores (a tied head once, as wte),
-    from a model built on the meta device: no memory, whatever the config claims."""
+    """The shape of every tensor a checkpoint of `config` stores, from a model built on the
+    meta device: no memory, whatever the config claims."""
     with torch.device("meta"):
-        model = GPT(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_embeddings:
-        shapes.pop("lm_head.weight")
-    return shapes
+        return {k: tuple(v.shape) for k, v in stored_state(GPT(config)).items()}
 
 
 def check_config_against_weights(
@@ -127,18 +68,8 @@ def check_config_against_weights(
         ("vocab_size", config.vocab_size, wte.shape[0], "transformer.wte.weight"),
         ("n_embd", config.n_embd, wte.shape[1], "transformer.wte.weight"),
         ("n_layer", config.n_layer, max(layers, default=-1) + 1, "transformer.h.<i>"),
-        (
-            "tie_embeddings",
-            config.tie_embeddings,
-            "lm_head.weight" not in tensors,
-            "lm_head.weight stored or not",
-        ),
-        (
-            "pos_embedding",
-            config.pos_embedding,
-            "rope" if wpe is None else "learned",
-            "wpe stored or not",
-        ),
+        ("tie_embeddings", config.tie_embeddings, "lm_head.weight" not in tensors, "lm_head"),
+        ("pos_embedding", config.pos_embedding, "rope" if wpe is None else "learned", "wpe"),
     ]
     if wpe is not None and len(wpe.shape) == 2:
         claims.append(("block_size", config.block_size, wpe.shape[0], "transformer.wpe.weight"))

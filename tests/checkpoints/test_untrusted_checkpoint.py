@@ -76,7 +76,9 @@ def sample_error(path: Path, capsys: pytest.CaptureFixture) -> str:
     """sample.py's whole body on `checkpoint=path`: exit code 2 and one `error:` line."""
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose("sample", overrides=[f"checkpoint={path}", "max_new_tokens=1"])
-    assert sample_main(cfg) == 2
+    with pytest.raises(SystemExit) as exited:
+        sample_main(cfg)
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     return err
