@@ -129,27 +129,31 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.dist = DistInfo.from_env()
-        # The causality guard, before any data: a shrunk copy of the configured architecture
-        # (with train.init_from, the loaded model itself, once it is loaded: see below).
-        if not cfg.train.init_from:
-            self.causality = causality_guard(cfg, verbose=self.dist.is_main)
-        if self.dist.enabled and cfg.parallel.strategy == "fsdp" and cfg.optim.name == "muon":
+        sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
+        if sharded and cfg.optim.name == "muon":
             raise ConfigError(
                 "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
                 "matrices); use parallel.strategy=ddp"
             )
+        # 1. The causality guard, before any data: a shrunk copy of the configured architecture
+        # (with train.init_from, the loaded model itself: see _new_model).
+        if not cfg.train.init_from:
+            self.causality = causality_guard(cfg, verbose=self.dist.is_main)
+        # 2. The machine.
         self.device = init_distributed(
             self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
         )
-        self.run_dir = Path(from_main(str(run_dir)))
         self.precision = resolve_precision(self.device, cfg.dtype)
-        self.sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
-        if self.sharded and self.precision.needs_grad_scaler:
+        if sharded and self.precision.needs_grad_scaler:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
-
-        self.data = run_on_main(lambda: prepare_data(cfg.data))  # rank 0 alone verifies every byte
+        self.run_dir = Path(from_main(str(run_dir)))
+        # 3. The data (rank 0 alone verifies every byte), then the model it sizes.
+        self.data = run_on_main(lambda: prepare_data(cfg.data))
         check_visible(self.data)
+        self.model = self._new_model(self.dist.world_size if sharded else 1)
+        # 4. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
+        # and the optimizer over the (sharded) parameters.
         self.checkpoints = CheckpointManager(
             self.run_dir,
             resolved_config,
@@ -158,35 +162,24 @@ class Trainer:
             self.dist,
             say=lambda text: self.progress.message(text),  # the bar exists before any save
         )
-        self.tokenizer = self.data.tokenizer()
-        init_from = cfg.train.init_from  # pretrained weights, else a random initialization
-        if init_from:  # the source fixes the architecture; its weights are checked causal
-            model = pretrained_model(init_from, cfg.model, self.data)
-            self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
-            model_config = model.config
-        else:
-            model_config = model_config_for(cfg.model, self.data)
-        _, memory = check_memory(  # before allocating: a run that cannot fit is refused
-            model_config, cfg, self.precision, self.dist.world_size if self.sharded else 1
-        )
-        if self.dist.is_main:
-            print(memory)
-        self.model = (model if init_from else GPT(model_config)).to(self.device)
-        self.block_size = self.model.config.block_size
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
-            resume_from = self.checkpoints.resume_checkpoint(cfg.train.resume, model_config)
-        if resume_from is not None:  # weights before sharding: FSDP shards what is loaded
+            resume_from = self.checkpoints.resume_checkpoint(cfg.train.resume, self.model.config)
+        if resume_from is not None:
             self.model.load_state_dict(resume_from.model.state_dict())
         self.parallel_model = wrap_model(
             self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype
+        )
+        self.step_model = (  # what the step runs through: compiled, or the parallel model
+            compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
         )
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
         )
+        block_size = self.model.config.block_size
         self.sampler = BatchSampler(
             self.data.tokens("train"),
-            self.block_size,
+            block_size,
             cfg.train.batch_size,
             cfg.seed,
             self.dist.rank,
@@ -194,8 +187,9 @@ class Trainer:
         )
         if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
+        # 5. The training state, in one place: what `last` holds besides the weights, by name.
         self.state = TrainState()
-        self.stateful = {  # what `last` holds besides the weights, by name
+        self.stateful = {
             "train_state": self.state,
             "optimizer": FunctionState(
                 lambda: optimizer_state(self.model, self.optimizer),
@@ -214,17 +208,12 @@ class Trainer:
         if resume_from is not None:
             self.checkpoints.restore(resume_from, self.stateful)
             self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
-        self.step_model = (
-            compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
-        )
-
-        # What throughput and MFU are measured against: tokens/s are counted over all ranks.
+        # 6. Reporting, last: the tracker starts a wandb run, which a failure above must not
+        # leave behind. Tokens/s and MFU count every rank's tokens.
         world, train = self.dist.world_size, cfg.train
-        self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * self.block_size
-        self.flops_per_token = self.model.flops_per_token(self.block_size)
+        self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size
         peak, self.peak_source = peak_flops(self.precision)
-        self.peak_flops = peak and peak * world
-        # Last: the tracker starts a wandb run, and a failure above must not leave one behind.
+        self.peak_tokens_per_s = peak and peak * world / self.model.flops_per_token(block_size)
         self.tracker = Tracker(
             cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id, enabled=self.dist.is_main
         )
@@ -239,6 +228,23 @@ class Trainer:
         )
         self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
         self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
+
+    def _new_model(self, shards: int) -> GPT:
+        """The model on the device: train.init_from's pretrained weights (the source fixes the
+        architecture, and the guard checks those weights causal), else a new one the config and
+        the tokenizer size. Its memory is estimated before it is allocated: a run that cannot
+        fit is refused."""
+        cfg = self.cfg
+        if cfg.train.init_from:
+            model = pretrained_model(cfg.train.init_from, cfg.model, self.data)
+            self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
+            config = model.config
+        else:
+            config = model_config_for(cfg.model, self.data)
+        _, memory = check_memory(config, cfg, self.precision, shards)
+        if self.dist.is_main:
+            print(memory)
+        return (model if cfg.train.init_from else GPT(config)).to(self.device)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
@@ -420,8 +426,8 @@ class Trainer:
             "grad_norm": grad_norm.item(),
             "tok/s": tok_s,
         }
-        if self.peak_flops:
-            values["mfu"] = tok_s * self.flops_per_token / self.peak_flops
+        if self.peak_tokens_per_s:
+            values["mfu"] = tok_s / self.peak_tokens_per_s
         step = self.state.step
         self.progress.update(step, values, self._eta(tok_s))
         self._record(
@@ -470,7 +476,8 @@ class Trainer:
     def _samples(self) -> list[tuple[str, str]]:
         """Completions of two fixed prompts (nothing, and the validation text's opening), drawn
         with their own seeded generator so that training's RNG stream is untouched."""
-        eot = self.tokenizer.eot_token
+        tokenizer = self.data.tokenizer()
+        eot = tokenizer.eot_token
         opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
         params = SamplingParams(temperature=0.8, top_k=200)
@@ -485,12 +492,10 @@ class Trainer:
                     params,
                     generator,
                     eot_token=eot,
-                    vocab_size=self.tokenizer.n_vocab,
+                    vocab_size=tokenizer.n_vocab,
                 )
             new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
-            rows.append(
-                (self.tokenizer.decode([t for t in prompt if t != eot]), self.tokenizer.decode(new))
-            )
+            rows.append((tokenizer.decode([t for t in prompt if t != eot]), tokenizer.decode(new)))
         return rows
 
     def _finish(self) -> dict[str, Any]:
@@ -532,7 +537,7 @@ class Trainer:
         else:
             split = (
                 f"whole validation split ({summary['val_tokens']:,} tokens, non-overlapping "
-                f"windows of {self.block_size})"
+                f"windows of {self.model.config.block_size})"
                 if summary["final_eval"] == "whole"
                 else f"validation subset ({summary['val_tokens']:,} tokens, train.eval_steps "
                 "batches)"

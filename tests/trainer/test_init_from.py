@@ -120,7 +120,7 @@ def test_finetune_shakespeare_composes_and_builds(tmp_path, hf_gpt2_dir, shakesp
     assert settings.optim.schedule == "constant" and settings.optim.lr == 3e-5
     assert cfg.model.block_size == 256 and cfg.train.init_from == str(hf_gpt2_dir)
     trainer = Trainer(settings, tmp_path / "run", resolved)
-    assert trainer.data.meta["dataset"] == "shakespeare" and trainer.tokenizer.name == "gpt2"
+    assert trainer.data.meta["dataset"] == "shakespeare" and trainer.data.tokenizer().name == "gpt2"
     assert_same_weights(trainer.model, load_source(hf_gpt2_dir).model, 64)
 
 
