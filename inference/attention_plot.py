@@ -58,6 +58,7 @@ def plot_attention(
     return the figure. All heads share one 0-to-1 colour scale, so they can be compared."""
     n_head, T, _ = probs.shape
     future = np.triu(np.ones((T, T), dtype=bool), k=1)
+    maps = np.ma.masked_array(probs.numpy(), mask=np.broadcast_to(future, probs.shape))
     cmap = colormaps["viridis"].with_extremes(bad=(0, 0, 0, 0))  # masked cells: transparent
     ncols = min(n_head, 4)
     nrows = math.ceil(n_head / ncols)
@@ -72,25 +73,9 @@ def plot_attention(
             continue
         # Hatching behind the transparent masked cells marks the future as "not allowed".
         ax.add_patch(
-            Rectangle(
-                (-0.5, -0.5),
-                T,
-                T,
-                facecolor="white",
-                edgecolor="0.75",
-                hatch="////",
-                linewidth=0,
-                zorder=0,
-            )
+            Rectangle((-0.5, -0.5), T, T, fc="white", ec="0.75", hatch="////", lw=0, zorder=0)
         )
-        image = ax.imshow(
-            np.ma.masked_array(probs[h].numpy(), mask=future),
-            cmap=cmap,
-            vmin=0.0,
-            vmax=1.0,
-            interpolation="nearest",
-            zorder=1,
-        )
+        image = ax.imshow(maps[h], cmap=cmap, vmin=0, vmax=1, interpolation="nearest", zorder=1)
         ax.set_title(f"head {h}", fontsize=11)
         ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=8)
         ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=8)

@@ -6,6 +6,8 @@ mistakes, which `main` turns into one `error: ...` line and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,16 +40,6 @@ def read_prompt(prompt: Any, prompt_file: str | None) -> str:
     return read_utf8(Path(prompt_file).expanduser(), "prompt_file")
 
 
-def sampling_params(cfg: Mapping[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        temperature=cfg["temperature"],
-        top_k=cfg["top_k"],
-        top_p=cfg["top_p"],
-        min_p=cfg["min_p"],
-        repetition_penalty=cfg["repetition_penalty"],
-    )
-
-
 def write_attention_plot(
     model: GPT, tokenizer: tiktoken.Encoding, ids: list[int], layer: int | None, path: str
 ) -> None:
@@ -69,7 +61,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     prompt). Samples go to `out` (stdout), notes to `err` (stderr). Raises ValueError (and
     subclasses) or OSError on user mistakes."""
     out, err = out or sys.stdout, err or sys.stderr
-    params = sampling_params(cfg)  # validate everything cheap before loading a model
+    # validate everything cheap before loading a model
+    params = SamplingParams(**{f.name: cfg[f.name] for f in dataclasses.fields(SamplingParams)})
     num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
     max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
     seed = _int_at_least("seed", cfg["seed"], 0)
@@ -110,27 +103,22 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
 
     live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
+    shown = out if live else io.StringIO()  # not live: the samples are printed at the end
     generator = torch.Generator(device=device).manual_seed(seed)
     texts = [TextStream(tokenizer, stop) for _ in range(num_samples)]
-    if live:
-        out.write(prompt)
-        out.flush()
+    print(prompt, end="", file=shown, flush=True)
     steps = stream_tokens(
         model, idx, max_new_tokens, params, generator, eot_token=eot, vocab_size=tokenizer.n_vocab
     )
     for step in steps:
         for text, token in zip(texts, step.tolist(), strict=True):
             piece = text.finish() if token == eot else text.push(token)
-            if live:
-                out.write(piece)
-                out.flush()
+            print(piece, end="", file=shown, flush=True)
         if all(t.done for t in texts):
             break
     for text in texts:
-        piece = text.finish()
-        if live:
-            out.write(piece + "\n")
-        else:
+        print(text.finish(), file=shown)
+        if not live:
             out.write(prompt + text.text + "\n" + SEPARATOR + "\n")
     out.flush()
     return [t.text for t in texts]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,11 +96,7 @@ class TokenContext:
     """
 
     def __init__(
-        self,
-        model: GPT,
-        idx: torch.Tensor,
-        use_cache: bool = True,
-        vocab_size: int | None = None,
+        self, model: GPT, idx: torch.Tensor, use_cache: bool = True, vocab_size: int | None = None
     ):
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
@@ -129,11 +126,9 @@ class TokenContext:
             if self.cache is not None:
                 self.cache.reset()
         with self.grad_free():
-            if self.cache is None:
-                x = self.decoder.hidden_states(self.seq[:, self.start :])
-            else:
-                new = self.seq[:, self.start + self.cache.length :]  # the window's start, then 1
-                x = self.decoder.hidden_states(new, self.cache)
+            cached = 0 if self.cache is None else self.cache.length
+            new = self.seq[:, self.start + cached :]  # with a cache: the window's start, then 1
+            x = self.decoder.hidden_states(new, self.cache)
             # forward without its head, which runs at the last position only: over a 50k
             # vocabulary the head is a small model's costliest matmul
             logits = self.decoder.logits(x[:, -1])  # (B, V)
@@ -167,8 +162,6 @@ def stream_tokens(
     the tokenizer's, when the model's vocabulary is padded past it (never drawn). The tokens are
     inference tensors: clone one to change it in place.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     params = params or SamplingParams()
     context = TokenContext(model, idx, use_cache, vocab_size)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
@@ -184,18 +177,8 @@ def stream_tokens(
             return
 
 
-def generate(
-    model: GPT,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    params: SamplingParams | None = None,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-    eot_token: int | None = None,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """`stream_tokens` collected: the prompt followed by the new tokens, (B, T + n)."""
-    steps = stream_tokens(
-        model, idx, max_new_tokens, params, generator, use_cache, eot_token, vocab_size
-    )
+def generate(model: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`stream_tokens` (same arguments) collected: the prompt followed by the new tokens,
+    (B, T + n)."""
+    steps = stream_tokens(model, idx, *args, **kwargs)
     return torch.cat([idx, *(token[:, None] for token in steps)], dim=1)

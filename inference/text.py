@@ -67,7 +67,7 @@ class TextStream:
             self._held, self.done = "", True
             return self._show(buf[: min(hits)])
         held = max((_overlap(buf, s) for s in self._stop), default=0)
-        self._held = buf[len(buf) - held :] if held else ""
+        self._held = buf[len(buf) - held :]
         return self._show(buf[: len(buf) - held])
 
     def _show(self, text: str) -> str:
@@ -77,7 +77,5 @@ class TextStream:
 
 def _overlap(text: str, stop: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of stop."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
+    longest_first = range(min(len(text), len(stop) - 1), 0, -1)
+    return next((n for n in longest_first if text.endswith(stop[:n])), 0)

@@ -17,23 +17,13 @@ ATTENTION_IMPLS = ("manual", "sdpa", "flash")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
+CHOICES = dict(attention=ATTENTION_IMPLS, pos_embedding=POS_EMBEDDINGS, norm=NORMS, mlp=MLPS)
 # Upper bounds on the sizes, far above any model this project trains (GPT-3 has n_embd 12288,
 # 96 layers), so that a typo or a hand-edited checkpoint fails here instead of asking the
 # allocator for terabytes. block_size also sizes each layer's causal mask (block_size^2 bytes).
-MAX_SIZES = dict(
-    vocab_size=1 << 21,
-    block_size=1 << 16,
-    n_layer=1024,
-    n_head=1024,
-    n_embd=1 << 16,
-    flash_block_q=1 << 16,
-    flash_block_k=1 << 16,
-)
+MAX_SIZES = dict(vocab_size=1 << 21, block_size=1 << 16, n_layer=1024, n_head=1024)
+MAX_SIZES |= dict.fromkeys(("n_embd", "flash_block_q", "flash_block_k"), 1 << 16)
 MAX_MLP_RATIO = 64
-
-
-def _positive_number(value: Any) -> bool:
-    return is_number(value) and value > 0
 
 
 @dataclass
@@ -71,44 +61,23 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name, most in MAX_SIZES.items():
             value = positive_int(f"model.{name}", getattr(self, name))
-            if value > most:  # thousands separators: these claims run to millions
-                raise ConfigError(f"model.{name} must be at most {most:,}, got {value:,}")
+            check(f"model.{name}", value, value <= most, f"at most {most:,}")
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}): "
                 "each head gets d_k = n_embd / n_head dimensions"
             )
-        check(
-            "model.dropout",
-            self.dropout,
-            is_number(self.dropout, 0.0) and self.dropout < 1,
-            "in [0, 1)",
-        )
+        dropout, ratio, base, cap = self.dropout, self.mlp_ratio, self.rope_base, self.logit_softcap
+        check("model.dropout", dropout, is_number(dropout, 0) and dropout < 1, "in [0, 1)")
         for name in ("bias", "tie_embeddings", "qk_norm", "zero_init_proj"):
             boolean(f"model.{name}", getattr(self, name))
-        for name, choices in (
-            ("attention", ATTENTION_IMPLS),
-            ("pos_embedding", POS_EMBEDDINGS),
-            ("norm", NORMS),
-            ("mlp", MLPS),
-        ):
+        for name, choices in CHOICES.items():
             choice(f"model.{name}", getattr(self, name), choices)
-        for name in ("rope_base", "mlp_ratio"):
-            value = getattr(self, name)
-            check(f"model.{name}", value, _positive_number(value), "a positive number")
-        check(
-            "model.mlp_ratio",
-            self.mlp_ratio,
-            self.mlp_ratio <= MAX_MLP_RATIO,
-            f"at most {MAX_MLP_RATIO}",
-        )
-        cap = self.logit_softcap
-        check(
-            "model.logit_softcap",
-            cap,
-            cap is None or _positive_number(cap),
-            "a positive number or null",
-        )
+        check("model.rope_base", base, is_number(base) and base > 0, "a positive number")
+        ratio_ok = is_number(ratio, 0, MAX_MLP_RATIO) and ratio > 0
+        check("model.mlp_ratio", ratio, ratio_ok, f"a positive number at most {MAX_MLP_RATIO}")
+        cap_ok = cap is None or (is_number(cap) and cap > 0)
+        check("model.logit_softcap", cap, cap_ok, "a positive number or null")
         if self.pos_embedding == "rope" and self.head_size % 2 != 0:
             raise ConfigError(
                 f"model.pos_embedding=rope rotates pairs of dimensions: the head size "
@@ -116,8 +85,7 @@ class GPTConfig:
             )
         if self.mlp_hidden < 1:
             raise ConfigError(
-                f"model.mlp_ratio={self.mlp_ratio} gives the MLP no hidden units "
-                f"at n_embd={self.n_embd}"
+                f"model.mlp_ratio={ratio} gives the MLP no hidden units at n_embd={self.n_embd}"
             )
 
     @property
@@ -137,12 +105,9 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
         """Build from a mapping (a preset or a Hydra node), naming any key that is not a field."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ConfigError(
-                f"unknown model config key(s) {unknown}; known keys: {sorted(fields)}"
-            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(values) - known):
+            raise ConfigError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,5 +124,4 @@ def load_preset(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown model preset {name!r}; known presets: {preset_names()}")
-    with open(path) as f:
-        return yaml.safe_load(f)
+    return yaml.safe_load(path.read_text())

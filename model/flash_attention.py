@@ -74,17 +74,7 @@ class FlashCausalAttention(torch.autograd.Function):
     position q_offset + i, key j at j. Saves O and LSE (B, nh, Tq) for backward, never S."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, *args: Any) -> torch.Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # float32 tiles: see the docstring
-            return FlashCausalAttention._forward(ctx, q, *args)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return FlashCausalAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _forward(
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -129,7 +119,7 @@ class FlashCausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         q_offset, block_q, block_k, dropout_p, seed = ctx.args
         Tq, hs = q.shape[2:]
@@ -141,31 +131,30 @@ class FlashCausalAttention(torch.autograd.Function):
         dv = torch.zeros_like(v, dtype=dtype)
         # D_i = sum_j P_ij dP_ij = dO_i . O_i, dropout or not: one number per row.
         D = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)  # (B, nh, Tq)
-        for q0, q1 in query_tiles(Tq, block_q):
-            qi = q[:, :, q0:q1].to(dtype)  # (B, nh, bq, hs)
-            doi = grad_out[:, :, q0:q1].to(dtype)  # (B, nh, bq, hs)
-            lse_i = lse[:, :, q0:q1, None]  # (B, nh, bq, 1)
-            d_i = D[:, :, q0:q1, None]  # (B, nh, bq, 1)
-            dqi = torch.zeros_like(qi)
-            for k0, k1, straddles in key_tiles(q0, q1, Tk, q_offset, block_k):
-                kj = k[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
-                vj = v[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
-                s = (qi @ kj.transpose(-2, -1)) * scale  # (B, nh, bq, bk)
-                if straddles:
-                    s = _masked(s, q0, k0, q_offset)
-                p = torch.exp(s - lse_i)  # the forward's softmax, recomputed
-                dp = doi @ vj.transpose(-2, -1)  # (B, nh, bq, bk)
-                p_used = p
-                if dropout_p > 0:
-                    keep = tile_keep_mask(seed, q0, k0, Tk, p.shape, dropout_p, q.device)
-                    z = keep / (1.0 - dropout_p)
-                    p_used = p * z
-                    dp = dp * z
-                dv[:, :, k0:k1] += p_used.transpose(-2, -1) @ doi  # (B, nh, bk, hs)
-                ds = p * (dp - d_i)  # softmax backward, (B, nh, bq, bk)
-                dqi += (ds @ kj) * scale
-                dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi) * scale
-            dq[:, :, q0:q1] = dqi
+        # The forward's autocast is off again here: backward may be called under autocast.
+        with torch.autocast(q.device.type, enabled=False):
+            for q0, q1 in query_tiles(Tq, block_q):
+                qi = q[:, :, q0:q1].to(dtype)  # (B, nh, bq, hs)
+                doi = grad_out[:, :, q0:q1].to(dtype)  # (B, nh, bq, hs)
+                lse_i = lse[:, :, q0:q1, None]  # (B, nh, bq, 1)
+                d_i = D[:, :, q0:q1, None]  # (B, nh, bq, 1)
+                for k0, k1, straddles in key_tiles(q0, q1, Tk, q_offset, block_k):
+                    kj = k[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
+                    vj = v[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
+                    s = (qi @ kj.transpose(-2, -1)) * scale  # (B, nh, bq, bk)
+                    if straddles:
+                        s = _masked(s, q0, k0, q_offset)
+                    p = torch.exp(s - lse_i)  # the forward's softmax, recomputed
+                    dp = doi @ vj.transpose(-2, -1)  # (B, nh, bq, bk)
+                    p_used = p  # P as the forward multiplied it into V: after dropout
+                    if dropout_p > 0:
+                        keep = tile_keep_mask(seed, q0, k0, Tk, p.shape, dropout_p, q.device)
+                        z = keep / (1.0 - dropout_p)
+                        p_used, dp = p * z, dp * z
+                    dv[:, :, k0:k1] += p_used.transpose(-2, -1) @ doi  # (B, nh, bk, hs)
+                    ds = p * (dp - d_i)  # softmax backward, (B, nh, bq, bk)
+                    dq[:, :, q0:q1] += (ds @ kj) * scale
+                    dk[:, :, k0:k1] += (ds.transpose(-2, -1) @ qi) * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -190,4 +179,5 @@ def flash_causal_attention(
         raise ValueError(f"flash attention needs at least as many keys as queries: {Tq} > {Tk}")
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    return FlashCausalAttention.apply(q, k, v, Tk - Tq, block_q, block_k, dropout_p, seed or 0)
+    with torch.autocast(q.device.type, enabled=False):  # float32 tiles: see the docstring
+        return FlashCausalAttention.apply(q, k, v, Tk - Tq, block_q, block_k, dropout_p, seed or 0)
