@@ -70,11 +70,11 @@ def run_config(
     if composed["train"].get("init_from") is not None:  # the source fixes the rest of the model
         default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
         composed["model"] = requested_model(composed["model"], default_model, overrides)
-    _validated(composed)  # a bad value is named as typed, before any comparison
+    settings = _validated(composed)  # a bad value is named as typed, before any comparison
     resume = composed["train"].get("resume")
     saved = saved_config(resume, run_dir) if resume is not None else None
     if saved is None:
-        return _validated(composed), composed
+        return settings, composed
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
     defaults = _resolved(compose(config_name=CONFIG_NAME))
     resolved = resumed_config(saved, composed, defaults, keys, resume)
@@ -92,11 +92,7 @@ def requested_model(
     parsed = OverridesParser.create().parse_overrides(overrides)
     named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
     keep = {"block_size", *RUNTIME_KEYS, *named}
-    return {
-        k: v
-        for k, v in model.items()
-        if k in keep or k not in default_model or default_model[k] != v
-    }
+    return {k: v for k, v in model.items() if k in keep or default_model.get(k, _UNSET) != v}
 
 
 def _validated(resolved: dict[str, Any]) -> RunConfig:
@@ -174,9 +170,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _set(tree: dict[str, Any], path: list[str], value: Any) -> None:
     for key in path[:-1]:
-        if not isinstance(tree.get(key), dict):
-            tree[key] = {}
-        tree = tree[key]
+        tree = tree.setdefault(key, {})
     if value is _UNSET:
         tree.pop(path[-1], None)
     else:

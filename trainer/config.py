@@ -37,10 +37,9 @@ def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
     so that no default is shared and mutable)."""
 
     def decorate(cls: type) -> type:
-        for name in cls.__annotations__:
-            if name in values:
-                value = values[name]
-                setattr(cls, name, tuple(value) if isinstance(value, list) else value)
+        for name in cls.__annotations__.keys() & values.keys():
+            value = values[name]
+            setattr(cls, name, tuple(value) if isinstance(value, list) else value)
         return dataclass(cls)
 
     return decorate
@@ -48,6 +47,10 @@ def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
 
 def _one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return check(key, value, value in choices, f"one of {list(choices)}")
+
+
+def _positive(key: str, value: Any, rule: str = "positive") -> float:
+    return check(key, value, number(key, value) > 0, rule)
 
 
 @defaults_from(TRAIN_YAML["train"])
@@ -76,8 +79,7 @@ class TrainSettings:
         for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
             non_negative_int(f"train.{name}", getattr(self, name))
         if self.max_seconds is not None:
-            seconds = number("train.max_seconds", self.max_seconds)
-            check("train.max_seconds", seconds, seconds > 0, "positive or null")
+            _positive("train.max_seconds", self.max_seconds, "positive or null")
         resume_ok = self.resume is None or isinstance(self.resume, str)
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
         init_ok = self.init_from is None or isinstance(self.init_from, str)
@@ -116,28 +118,24 @@ class OptimSettings:
 
     def __post_init__(self) -> None:
         _one_of("optim.name", self.name, ("adamw", "muon"))
-        check("optim.lr", self.lr, number("optim.lr", self.lr, low=0.0) > 0, "positive")
+        _positive("optim.lr", self.lr)
         if self.embed_lr is not None:
-            positive = number("optim.embed_lr", self.embed_lr, low=0.0) > 0
-            check("optim.embed_lr", self.embed_lr, positive, "positive or null")
-        number("optim.min_lr", self.min_lr, low=0.0)
+            _positive("optim.embed_lr", self.embed_lr, "positive or null")
+        for name in ("min_lr", "weight_decay", "eps", "grad_clip", "muon_weight_decay"):
+            number(f"optim.{name}", getattr(self, name), low=0.0)
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")
-        number("optim.weight_decay", self.weight_decay, low=0.0)
         pair = isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
         check("optim.betas", self.betas, pair, "a pair like [0.9, 0.95]")
         self.betas = tuple(number("optim.betas", b, 0.0, 0.999999) for b in self.betas)
-        number("optim.eps", self.eps, low=0.0)
         non_negative_int("optim.warmup_steps", self.warmup_steps)
         _one_of("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
         number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
-        number("optim.grad_clip", self.grad_clip, low=0.0)
-        check("optim.muon_lr", self.muon_lr, number("optim.muon_lr", self.muon_lr) > 0, "positive")
+        _positive("optim.muon_lr", self.muon_lr)
         momentum = number("optim.muon_momentum", self.muon_momentum)
         check("optim.muon_momentum", momentum, 0 <= momentum < 1, "in [0, 1)")
         boolean("optim.muon_nesterov", self.muon_nesterov)
         positive_int("optim.muon_ns_steps", self.muon_ns_steps)
-        number("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
 
 
 @defaults_from(TRAIN_YAML["wandb"])
@@ -163,8 +161,7 @@ class ParallelSettings:
 
     def __post_init__(self) -> None:
         _one_of("parallel.strategy", self.strategy, ("ddp", "fsdp"))
-        timeout = number("parallel.timeout_s", self.timeout_s)
-        check("parallel.timeout_s", timeout, timeout > 0, "positive")
+        _positive("parallel.timeout_s", self.timeout_s)
 
 
 @defaults_from({key: TRAIN_YAML[key] for key in ("seed", "device", "dtype", "compile")})
@@ -195,21 +192,12 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
         """Build from a resolved config tree; unknown keys are named in the error."""
-        values = dict(values)
-        values.pop("experiment", None)  # the recipe's name; its values are already merged in
-        sections = {
-            "train": TrainSettings,
-            "optim": OptimSettings,
-            "wandb": WandbSettings,
-            "parallel": ParallelSettings,
-        }
-        for key, kind in sections.items():
-            if key in values:
-                values[key] = _build(kind, values[key] or {}, key)
+        # `experiment` is the recipe's name; its values are already merged in.
+        values = {k: v for k, v in values.items() if k != "experiment"}
+        for f in dataclasses.fields(cls):
+            if f.name in values and f.default_factory is not dataclasses.MISSING:  # a section
+                values[f.name] = _build(f.default_factory, values[f.name] or {}, f.name)
         return _build(cls, values, "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:

@@ -38,24 +38,18 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
 
     def update(self, step: int, values: dict[str, float], eta_seconds: float) -> None:
-        if not self.enabled:
-            return
+        eta = f"eta {format_seconds(eta_seconds)}"
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix_str(format_metrics(values) + f" eta {format_seconds(eta_seconds)}")
-        else:
-            print(
-                f"step {step} | {format_metrics(values)} | eta {format_seconds(eta_seconds)}",
-                flush=True,
-            )
+            self.bar.set_postfix_str(f"{format_metrics(values)} {eta}")
+        elif self.enabled:
+            print(f"step {step} | {format_metrics(values)} | {eta}", flush=True)
 
     def message(self, text: str) -> None:
         """A line that stays above the bar."""
-        if not self.enabled:
-            return
         if self.bar is not None:
             self.bar.write(text)
-        else:
+        elif self.enabled:
             print(text, flush=True)
 
     def close(self) -> None:

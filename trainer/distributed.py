@@ -70,10 +70,8 @@ class DistInfo:
 
     @classmethod
     def from_env(cls) -> DistInfo:
-        env = os.environ
-        return cls(
-            int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        )
+        get = os.environ.get
+        return cls(int(get("RANK", 0)), int(get("LOCAL_RANK", 0)), int(get("WORLD_SIZE", 1)))
 
     @property
     def is_main(self) -> bool:
@@ -109,10 +107,8 @@ def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> 
 
 def destroy() -> None:
     """Leave the process group (a clean exit; torchrun warns about a group left open)."""
-    global _slow_group
     if dist.is_initialized():
         dist.destroy_process_group()
-    _slow_group = None
 
 
 def barrier(slow: bool = False) -> None:
@@ -126,12 +122,15 @@ def barrier(slow: bool = False) -> None:
 def main_first() -> Iterator[None]:
     """Rank 0 runs the block first, the others after it is done: for work that is safe but
     wasteful to run concurrently (preparing data) or must not race (repairing a checkpoint)."""
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if not is_main:
+    if not _is_main():
         barrier(slow=True)
     yield
-    if is_main:
+    if _is_main():
         barrier(slow=True)
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
@@ -152,13 +151,13 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return _all_reduce(values, dist.ReduceOp.MAX, device)
 
 
-def from_main(value: T) -> T:
+def from_main(value: T, group: dist.ProcessGroup | None = None) -> T:
     """Rank 0's value on every rank: for what each rank could otherwise derive differently (a
     run directory named after the second each rank started in)."""
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -166,29 +165,23 @@ def run_on_main(fn: Callable[[], T]) -> T:
     """fn() run by rank 0 alone, its result on every rank: for work whose answer is the same
     everywhere and costly to repeat (verifying every byte of a token file on every rank). The
     others wait as long as rank 0 needs (SLOW_WAIT_S)."""
-    if not dist.is_initialized():
-        return fn()
-    box = [fn() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=_slow_group)
-    return box[0]
+    return from_main(fn() if _is_main() else None, _slow_group)
 
 
 def check_visible(data: PreparedData) -> None:
     """Rank 0 verified the token files (`run_on_main`); the others only check that they see the
     same preparation (its meta.json), which needs the data cache on a filesystem every node
     shares, as the run directory does."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if _is_main():
         return
     meta_file = data.dir / "meta.json"
-    try:
-        same = json.loads(meta_file.read_text()) == data.meta
-    except (OSError, ValueError):
-        same = False
-    if not same:
-        raise DataError(
-            f"rank {dist.get_rank()} does not see the prepared data rank 0 verified "
-            f"({meta_file}); put the data cache (CAUSALGPT_CACHE) on a filesystem all nodes share"
-        )
+    with contextlib.suppress(OSError, ValueError):  # missing or torn: not the same
+        if json.loads(meta_file.read_text()) == data.meta:
+            return
+    raise DataError(
+        f"rank {dist.get_rank()} does not see the prepared data rank 0 verified "
+        f"({meta_file}); put the data cache (CAUSALGPT_CACHE) on a filesystem all nodes share"
+    )
 
 
 def in_lockstep(items: Iterable[T], filler: T, device: torch.device) -> Iterator[tuple[T, bool]]:
@@ -196,10 +189,9 @@ def in_lockstep(items: Iterable[T], filler: T, device: torch.device) -> Iterator
     run out: the same number of iterations everywhere, for loops whose body is a collective
     (an FSDP forward). One scalar all-reduce per iteration; none in a single process."""
     for item in items:
-        if dist.is_initialized():
-            all_reduce_max([1], device)
+        all_reduce_max([1], device)
         yield item, True
-    while dist.is_initialized() and all_reduce_max([0], device)[0]:
+    while all_reduce_max([0], device)[0]:
         yield filler, False
 
 
@@ -258,17 +250,14 @@ def compile_model(model: GPT, parallel_model: nn.Module) -> nn.Module:
     return torch.compile(parallel_model)
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Gradient accumulation without needless communication: the forward and backward of every
     micro-batch but the last accumulate locally (enabled=False); the last one reduces."""
-    if isinstance(model, DistributedDataParallel) and not enabled:
-        with model.no_sync():
-            yield
-        return
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
-    yield
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -332,13 +321,11 @@ def load_optimizer_state(
             f"the checkpoint's optimizer has parameter groups of {saved} parameters, this run's "
             f"has {ours}: resume with the optim.name the checkpoint was trained with"
         )
-    hyperparameters = [
-        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-    ]
+    configured = [dict(g) for g in optimizer.param_groups]  # loading keeps each group's params
     if not isinstance(model, FSDPModule):
         optimizer.load_state_dict(state)
     else:
         by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
         set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
-    for group, values in zip(optimizer.param_groups, hyperparameters, strict=True):
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
         group.update(values)

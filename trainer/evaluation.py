@@ -30,7 +30,6 @@ class EvalResult:
     loss: float  # mean cross-entropy, nats per predicted token
     bpb: float  # bits per UTF-8 byte: loss / ln 2 / (bytes per token of the split)
     tokens: int  # tokens predicted
-    bytes: float  # UTF-8 bytes those tokens span (tokens * the split's bytes per token)
     stderr: float  # standard error of `loss` across batches: differences below ~2x are noise
 
     def metrics(self, prefix: str) -> dict[str, float]:
@@ -49,23 +48,19 @@ def sliding_windows(
     scored exactly once, with at least block_size - stride tokens of context once past the start.
     """
     n = len(tokens) - 1  # tokens that can be predicted
-    starts = list(range(0, max(n - block_size, 0) + 1, stride))
-    if starts[-1] + block_size < n:  # a final window flush with the end
-        starts.append(n - block_size)
-    rows_x, rows_y, scored_to = [], [], 0
-    for start in starts:
-        end = min(start + block_size, n)
-        x = torch.from_numpy(tokens[start:end].astype(np.int64))
-        y = torch.from_numpy(tokens[start + 1 : end + 1].astype(np.int64))
-        y[: max(scored_to - start, 0)] = -1  # already scored by an earlier window
-        scored_to = end
-        rows_x.append(x)
-        rows_y.append(y)
-        if len(rows_x) == batch_size:
-            yield torch.stack(rows_x), torch.stack(rows_y)
-            rows_x, rows_y = [], []
-    if rows_x:
-        yield torch.stack(rows_x), torch.stack(rows_y)
+    width = min(block_size, n)
+    starts = list(range(0, n - width + 1, stride))
+    if starts[-1] + width < n:  # a final window flush with the end
+        starts.append(n - width)
+    starts = np.array(starts)
+    # How many of its first positions the window before has already scored.
+    seen = np.maximum(np.concatenate(([0], starts[:-1] + width)) - starts, 0)
+    for i in range(0, len(starts), batch_size):
+        rows = starts[i : i + batch_size, None] + np.arange(width)  # token indices of each window
+        x = torch.from_numpy(tokens[rows].astype(np.int64))
+        y = torch.from_numpy(tokens[rows + 1].astype(np.int64))
+        y[torch.from_numpy(np.arange(width) < seen[i : i + batch_size, None])] = -1
+        yield x, y
 
 
 @torch.no_grad()
@@ -117,7 +112,6 @@ def evaluate(
         loss=mean,
         bpb=bits_per_byte(mean, total_tokens, total_tokens * bytes_per_token),
         tokens=int(total_tokens),
-        bytes=total_tokens * bytes_per_token,
         stderr=math.sqrt(max(variance, 0.0) / n),
     )
 
@@ -129,7 +123,6 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     ckpt = load_source(find_checkpoint(None) if source is None else source, device)
-    path = ckpt.path
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
@@ -139,14 +132,14 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     else:
         if "data" not in ckpt.run_config:
             raise DataError(
-                f"the checkpoint {path} does not record the dataset it was trained on "
+                f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
                 "(no run.data in its config.json); evaluate with text_file=<path>"
             )
         data = prepare_data(ckpt.run_config["data"], verbose=False)
         if not ckpt.same_tokenizer(data):
             raise DataError(
                 f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "
-                f"{path} (its training text changed since); evaluate with text_file=<path>"
+                f"{ckpt.path} (its training text changed since); evaluate with text_file=<path>"
             )
         tokens = data.tokens("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
@@ -157,14 +150,13 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     result = evaluate(
         ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision, stride=stride
     )
-    window = "non-overlapping windows" if stride is None else f"sliding windows, stride {stride}"
     return {
-        "checkpoint": str(path),
+        "checkpoint": str(ckpt.path),
         "data": source,
         "loss": round(result.loss, 5),
         "bpb": round(result.bpb, 5),
         "tokens": result.tokens,
         "bytes": nbytes,
-        "block_size": ckpt.model.config.block_size,
-        "method": window,
+        "block_size": block_size,
+        "method": f"sliding windows, stride {stride}" if stride else "non-overlapping windows",
     }

@@ -26,16 +26,13 @@ def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData)
     ckpt = load_source(source, **runtime)
     theirs = ckpt.model.config
     if not ckpt.same_tokenizer(data):
-        same_name = data.tokenizer_name == ckpt.tokenizer_name
+        name = ckpt.tokenizer_name
+        hint = f", which was trained with {name}: set data.tokenizer={name}"
+        if data.tokenizer_name == name:
+            hint = " (the same name, trained on other text: use the source's data)"
         raise ConfigError(
             f"data.tokenizer={data.tokenizer_name} does not match the vocabulary of "
-            f"train.init_from={source}"
-            + (
-                " (the same name, trained on other text: use the source's data)"
-                if same_name
-                else f", which was trained with {ckpt.tokenizer_name}: set "
-                f"data.tokenizer={ckpt.tokenizer_name}"
-            )
+            f"train.init_from={source}{hint}"
         )
     values = {k: v for k, v in requested.items() if not (k == "vocab_size" and v is None)}
     block_size = values.pop("block_size", theirs.block_size)

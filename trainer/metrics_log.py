@@ -14,6 +14,7 @@ redrawn at each evaluation and at the end, and replaced atomically (base.files.w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -27,19 +28,15 @@ PLOT_FILE = "loss.png"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The complete rows of a metrics.jsonl; a torn (unparseable) line is skipped."""
-    rows = []
+    """The complete rows of a metrics.jsonl; a line torn by a kill (unparseable) is skipped."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        return rows
+        return []
+    rows = []
     for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
     return rows
 
 
@@ -78,10 +75,10 @@ class MetricsLog:
         if not enabled:
             return
         self.rows = [r for r in read_metrics(self.path) if r["step"] <= step]
-        if self.path.exists():  # drop a torn line and the steps a resume will repeat
-            text = "".join(json.dumps(r) + "\n" for r in self.rows)
-            if self.path.read_text(encoding="utf-8") != text:
-                write_atomic(self.path, text)
+        # Drop a torn line and the steps a resume will repeat.
+        text = "".join(json.dumps(r) + "\n" for r in self.rows)
+        if self.path.exists() and self.path.read_text(encoding="utf-8") != text:
+            write_atomic(self.path, text)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Add values to `step`'s row; names like `val/loss` become `val_loss`."""

@@ -44,16 +44,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hardware.device import fast_matmul_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-
-
-def _ns_dtype(g: torch.Tensor) -> torch.dtype:
-    """bfloat16 where its matmuls are fast (CUDA; a CPU whose dtype=auto probe picked it)."""
-    return fast_matmul_dtype(g.device)
 
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -63,10 +57,8 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
     The Frobenius normalization puts every singular value in (0, 1], where the quintic's
     iteration pushes them towards ~1. Wide or tall: iterate on the wide orientation, whose
     Gram matrix X X^T is the smaller one."""
-    if g.dim() != 2:
-        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(g.shape)}")
     a, b, c = NS_COEFFICIENTS
-    x = g.to(_ns_dtype(g))
+    x = g.to(fast_matmul_dtype(g.device))
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.mT
@@ -80,37 +72,21 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
 class Muon(torch.optim.Optimizer):
     """Muon on the param groups with `use_muon=True`, AdamW on the others (see the module doc).
 
-    Muon groups: lr, momentum, nesterov, ns_steps, weight_decay; their parameters must be 2-D.
+    Muon groups: lr, momentum, nesterov, ns_steps, weight_decay; their parameters must be 2-D
+    and whole (not FSDP shards: the trainer refuses muon under fsdp).
     AdamW groups: lr, betas, eps, weight_decay; the same arithmetic as torch.optim.AdamW.
     Every group also keeps `base_lr`, its peak rate, which the schedule scales (set_lr)."""
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]):
-        groups = [dict(g) for g in param_groups]
-        for group in groups:
-            group["params"] = list(group["params"])
-            if "use_muon" not in group:
-                raise ValueError("every Muon param group needs use_muon=True or False")
-            for p in group["params"]:
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        "Muon needs whole matrices; it does not support sharded (FSDP) parameters"
-                    )
-                if group["use_muon"] and p.dim() != 2:
-                    raise ValueError(f"Muon orthogonalizes matrices; got shape {tuple(p.shape)}")
-        super().__init__(groups, defaults={})
+        super().__init__(param_groups, defaults={})
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:  # no closure: training never re-evaluates the loss in a step
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-        return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         """Under DDP every rank holds the same gradients, so the Newton-Schulz work is dealt
@@ -133,7 +109,7 @@ class Muon(torch.optim.Optimizer):
             if i % world == rank:
                 update = zeropower_via_newtonschulz5(update, group["ns_steps"]).contiguous()
             else:  # filled by its owner's broadcast
-                update = torch.empty_like(update, dtype=_ns_dtype(update))
+                update = torch.empty_like(update, dtype=fast_matmul_dtype(update.device))
             if sharded:
                 pending.append(dist.broadcast(update, src=i % world, async_op=True))
             updates.append(update)
@@ -167,10 +143,8 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
             denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, math.sqrt(bias_correction2))
+            torch._foreach_div_(denom, math.sqrt(1 - beta2**step))  # bias corrections
             torch._foreach_add_(denom, eps)
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias_correction1)
+            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1**step))

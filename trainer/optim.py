@@ -49,20 +49,15 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
     for name, p in model.named_parameters():
         if p.requires_grad:
             members[group_of(name, p)].append(p)
-    adamw = {
-        "base_lr": settings.lr,
-        "lr": settings.lr,
-        "betas": settings.betas,
-        "eps": settings.eps,
-    }
+
+    def adamw(kind: str, lr: float, weight_decay: float) -> dict[str, Any]:
+        rates = {"base_lr": lr, "lr": lr, "betas": settings.betas, "eps": settings.eps}
+        return {**rates, "params": members[kind], "weight_decay": weight_decay}
+
     decay = settings.weight_decay
-    groups = [
-        {**adamw, "params": members["decay"], "weight_decay": decay},
-        {**adamw, "params": members["no_decay"], "weight_decay": 0.0},
-    ]
+    groups = [adamw("decay", settings.lr, decay), adamw("no_decay", settings.lr, 0.0)]
     if own_rate:  # optim.embed_lr: a third AdamW group, so that null keeps the groups as they were
-        embed_lr = {"base_lr": settings.embed_lr, "lr": settings.embed_lr}
-        groups.append({**adamw, **embed_lr, "params": members["embed"], "weight_decay": decay})
+        groups.append(adamw("embed", settings.embed_lr, decay))
     if not muon:
         return groups
     for group in groups:
@@ -92,9 +87,7 @@ def build_optimizer(
     groups = param_groups(model, settings)
     if settings.name == "muon":
         return Muon(groups)
-    return torch.optim.AdamW(
-        groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=device.type == "cuda"
-    )
+    return torch.optim.AdamW(groups, fused=device.type == "cuda")  # each group sets its rates
 
 
 def lr_scale(
@@ -137,9 +130,8 @@ def lr_scale(
     fraction = settings.decay_fraction
     decay_steps = round(fraction * max_steps)
     decay_start = max(settings.warmup_steps, max_steps - decay_steps)
-    if decay_steps == 0 or step < decay_start:
-        by_steps = 0.0
-    else:
+    by_steps = 0.0
+    if decay_steps > 0 and step >= decay_start:
         by_steps = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
     by_time = max(0.0, (by_time - (1.0 - fraction)) / fraction) if fraction > 0 else 0.0
     progress = min(max(by_steps, by_time), 1.0)

@@ -24,37 +24,23 @@ class RunDirLocked(ValueError):
     """The run directory belongs to a running process (the message names its pid and host)."""
 
 
-class RunLock:
-    """A held run-directory lock, until `release` or the end of the process."""
-
-    def __init__(self, path: Path, fd: int, owner: dict) -> None:
-        self.path, self.owner, self._fd = path, owner, fd
-
-    def release(self) -> None:
-        """Close the lock file, which unlocks it. The file stays: were it unlinked, a newcomer
-        could lock a new file of that name while a process that had opened this one locks it."""
-        if self._fd is not None:
-            _held.remove(self)
-            os.close(self._fd)
-            self._fd = None
-
-
-_held: list[RunLock] = []  # this process's locks
+_held: list[int] = []  # this process's lock descriptors, open until it exits
 
 
 def _in_forked_child() -> None:  # close the child's copies of our locks' descriptors
-    for lock in _held:
-        os.close(lock._fd)
-        lock._fd = None
+    for fd in _held:
+        os.close(fd)
     _held.clear()
 
 
 os.register_at_fork(after_in_child=_in_forked_child)
 
 
-def acquire_run_lock(run_dir: str | Path) -> RunLock:
-    """Take `run_dir`'s lock for this process until it exits; raise RunDirLocked naming the
-    owner if another process (or another acquire_run_lock in this one) holds it."""
+def acquire_run_lock(run_dir: str | Path) -> dict:
+    """Take `run_dir`'s lock for this process until it exits and return the owner record it
+    wrote; raise RunDirLocked naming the owner if another process (or an earlier
+    acquire_run_lock in this one) holds it. The file is never unlinked: a newcomer could then
+    lock a new file of that name while a process that had opened this one locks it."""
     path = Path(run_dir) / LOCK_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -74,5 +60,5 @@ def acquire_run_lock(run_dir: str | Path) -> RunLock:
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%FT%T%z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(owner).encode(), 0)
-    _held.append(lock := RunLock(path, fd, owner))
-    return lock
+    _held.append(fd)
+    return owner

@@ -25,17 +25,17 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     return dict(str(item).split("=", 1) for item in items if "=" in str(item))
 
 
-def _result(job_dir: Path) -> dict[str, Any]:
-    """The last row's step and final validation (the last periodic one without a final)."""
+def _result(job_dir: Path) -> list[str]:
+    """The cells of a run: its last step and final validation loss and bpb (the last periodic
+    one without a final evaluation)."""
     rows = read_metrics(job_dir / METRICS_FILE)
     if not rows:
-        return {}
-    last = rows[-1]
-    evaluated = [r for r in rows if "val_loss" in r]
-    val = {"loss": last.get("final_val_loss"), "bpb": last.get("final_val_bpb")}
-    if val["loss"] is None and evaluated:
-        val = {"loss": evaluated[-1]["val_loss"], "bpb": evaluated[-1]["val_bpb"]}
-    return {"step": last["step"], **val}
+        return ["failed or no metrics", "-", "-"]
+    loss, bpb = rows[-1].get("final_val_loss"), rows[-1].get("final_val_bpb")
+    if loss is None:
+        evaluated = next((r for r in reversed(rows) if "val_loss" in r), {})
+        loss, bpb = evaluated.get("val_loss"), evaluated.get("val_bpb")
+    return [str(rows[-1]["step"]), _number(loss), _number(bpb)]
 
 
 def _number(value: float | None) -> str:
@@ -57,12 +57,7 @@ def sweep_table(sweep_dir: str | Path) -> str:
         "|" + " --- |" * (len(varied) + 4),
     ]
     for job in jobs:
-        result = _result(job)
-        cells = [overrides[job].get(k, "") for k in varied]
-        if not result:
-            cells += ["failed or no metrics", "-", "-"]
-        else:
-            cells += [str(result["step"]), _number(result["loss"]), _number(result["bpb"])]
+        cells = [overrides[job].get(k, "") for k in varied] + _result(job)
         lines.append(f"| {job.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

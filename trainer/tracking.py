@@ -43,7 +43,8 @@ class Tracker:
         enabled: bool = True,
     ):
         self.run = None
-        self._pending = StepRows(self._send)  # metrics of the current step, sent as one row
+        # The metrics of the current step, sent as one row.
+        self._pending = StepRows(lambda step, row: self.run.log(row, step=step))
         self.mode = resolve_mode(settings.mode) if enabled else "disabled"
         if self.mode == "disabled":
             return
@@ -89,16 +90,11 @@ class Tracker:
         if self.run is not None:
             self._pending.add(metrics, step)
 
-    def _send(self, step: int, row: dict[str, Any]) -> None:
-        if row:
-            self.run.log(row, step=step)
-
     def log_samples(self, samples: list[tuple[str, str]], step: int) -> None:
         """A table of (prompt, completion) rows."""
         if self.run and samples:
-            table = self._wandb.Table(columns=["step", "prompt", "completion"])
-            for prompt, completion in samples:
-                table.add_data(step, prompt, completion)
+            rows = [[step, prompt, completion] for prompt, completion in samples]
+            table = self._wandb.Table(columns=["step", "prompt", "completion"], data=rows)
             self.log({"samples": table}, step)
 
     def summary(self, values: dict[str, Any]) -> None:

@@ -62,4 +62,4 @@ def test_the_resume_command_works_verbatim_after_kill_9(tmp_path, corpus):
     result = run_script("train.py", *args, f"train.max_steps={step + 2}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"resumed from {run_dir / 'checkpoints' / 'last'} at step {step}" in result.stdout
-    acquire_run_lock(run_dir).release()  # and free once it has ended
+    acquire_run_lock(run_dir)  # and free once it has ended

@@ -30,9 +30,8 @@ def test_a_second_process_is_refused_naming_the_holder_whose_record_stays(tmp_pa
     finally:
         holder.communicate("")  # closes its stdin: it exits
     assert holder.returncode == 0
-    lock = acquire_run_lock(tmp_path)  # control: a directory nobody holds is taken
-    assert owner_of(tmp_path) == lock.owner and lock.owner["pid"] == os.getpid()
-    lock.release()
+    owner = acquire_run_lock(tmp_path)  # control: a directory nobody holds is taken
+    assert owner_of(tmp_path) == owner and owner["pid"] == os.getpid()
 
 
 def test_the_lock_of_a_process_killed_with_sigkill_is_free_at_once(tmp_path):
@@ -43,9 +42,8 @@ def test_the_lock_of_a_process_killed_with_sigkill_is_free_at_once(tmp_path):
         holder.kill()
         os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
         assert owner_of(tmp_path)["pid"] == holder.pid  # its record is left, and does not count
-        lock = acquire_run_lock(tmp_path)
+        acquire_run_lock(tmp_path)
         assert owner_of(tmp_path)["pid"] == os.getpid()
-        lock.release()
     finally:
         holder.kill()
         holder.communicate()
@@ -60,27 +58,20 @@ def test_children_that_outlive_the_holder_do_not_keep_its_lock(tmp_path):
             acquire_run_lock(tmp_path)
         holder.kill()
         holder.wait()
-        acquire_run_lock(tmp_path).release()
+        acquire_run_lock(tmp_path)
     finally:
         holder.stdin.close()  # the children's cue to end
         said = holder.stdout.read()  # until they have ended: they hold the pipe's other end
     assert said == "child done\n" * 2  # both lived until after the lock was taken
 
 
-def test_a_lock_is_held_in_its_own_process_too_until_released(tmp_path):
-    lock = acquire_run_lock(tmp_path)
+def test_a_lock_is_held_in_its_own_process_too(tmp_path):
+    acquire_run_lock(tmp_path)
     with pytest.raises(RunDirLocked, match=f"in use by pid {os.getpid()} on host "):
         acquire_run_lock(tmp_path)
-    lock.release()
-    again = acquire_run_lock(tmp_path)
-    lock.release()  # a second release lets go of nothing, not of the descriptor reused by `again`
-    with pytest.raises(RunDirLocked):
-        acquire_run_lock(tmp_path)
-    again.release()
 
 
 def test_a_lock_file_nobody_holds_is_taken_whatever_it_says(tmp_path):
     (tmp_path / LOCK_FILE).write_text('{"pid": 1, "host": "elsewhere", "token": "old"} ' * 9)
-    lock = acquire_run_lock(tmp_path)
-    assert owner_of(tmp_path) == lock.owner  # rewritten whole, nothing of the old left
-    lock.release()
+    owner = acquire_run_lock(tmp_path)
+    assert owner_of(tmp_path) == owner  # rewritten whole, nothing of the old left
