@@ -17,6 +17,7 @@ The export is written into a temporary sibling directory and swapped into place
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,12 @@ from safetensors.torch import save_file
 
 from base.errors import ConfigError
 from base.files import write_dir_atomic
-from checkpoints.hf import FIELDS, HF_FIXED, hf_keys, needs
+from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.sources import load_source
 from checkpoints.store import Checkpoint, find_checkpoint
 from data.tokenizer import GPT2_N_VOCAB, gpt2_bpe_files
-from model import GPT, GPTConfig
+from model import GPTConfig
+from model.weights import stored_state
 
 EOT = "<|endoftext|>"
 # transformers' class of each architecture, by its column in checkpoints.hf.FIELDS
@@ -43,9 +45,7 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
     if not out:
         raise ConfigError("out is required: python export.py checkpoint=<run dir> out=<dir>")
     out = Path(str(out)).expanduser().absolute()
-    overwrite = cfg.get("overwrite", False)
-    if not isinstance(overwrite, bool):
-        raise ConfigError(f"overwrite must be true or false, got {overwrite!r}")
+    overwrite = cfg.get("overwrite") is True  # anything else keeps what `out` holds
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -65,31 +65,29 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
             f"data.tokenizer={ckpt.tokenizer_name} has no Hugging Face tokenizer export; only "
             "models trained with data.tokenizer=gpt2 can be exported"
         )
-    model = ckpt.model.float().cpu()
-    config = model.config
+    config = ckpt.model.config
     kind = _architecture(config)
     hf_config = _hf_config(config, kind)
-    state = _gpt2_state(model) if kind == "gpt2" else _llama_state(model)
+    state = stored_state(ckpt.model.float().cpu())  # a tied head once, as wte
     n_vocab = ckpt.tokenizer().n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
     if config.vocab_size > n_vocab:  # the padding rows are never drawn nor trained: dropped
         hf_config["vocab_size"] = n_vocab
-        embeddings = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
+        embeddings = ("wte.weight", "lm_head.weight")
         state = {k: v[:n_vocab] if k.endswith(embeddings) else v for k, v in state.items()}
     vocab, merges = gpt2_bpe_files()
+    special_tokens = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
     return {
         "config.json": hf_config,
-        "model.safetensors": state,
+        "model.safetensors": _gpt2_state(state) if kind == "gpt2" else _llama_state(state),
         "vocab.json": vocab,  # GPT-2's encoder.json is Hugging Face's vocab.json, byte for byte
         "merges.txt": merges,  # and its vocab.bpe their merges.txt
         "tokenizer_config.json": {
             "tokenizer_class": "GPT2Tokenizer",
             "model_max_length": config.block_size,
-            "bos_token": EOT,
-            "eos_token": EOT,
-            "unk_token": EOT,
             "add_prefix_space": False,
+            **special_tokens,
         },
-        "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT},
+        "special_tokens_map.json": special_tokens,
         "README.md": model_card(ckpt, ARCHITECTURES[kind]),
     }
 
@@ -114,8 +112,7 @@ def _hf_config(config: GPTConfig, kind: str) -> dict[str, Any]:
     hf_config = {
         "architectures": [ARCHITECTURES[kind]],
         **{key: accepted[0] for key, accepted in HF_FIXED[kind].items()},
-        "bos_token_id": GPT2_N_VOCAB - 1,
-        "eos_token_id": GPT2_N_VOCAB - 1,
+        **dict.fromkeys(("bos_token_id", "eos_token_id"), GPT2_N_VOCAB - 1),  # <|endoftext|>
         "torch_dtype": "float32",
         "initializer_range": 0.02,
     }
@@ -127,58 +124,51 @@ def _hf_config(config: GPTConfig, kind: str) -> dict[str, Any]:
     return hf_config
 
 
-def _gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
+def _gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our names are GPT-2's; its Conv1D layers store (in, out), the transpose of our Linear.
     Without biases (bias=false) GPT-2's are zeros: the same function."""
-    state = dict(model.state_dict())
-    if model.config.tie_embeddings:
-        del state["lm_head.weight"]  # tied: transformers restores it from wte
     for name, w in list(state.items()):
-        if name.startswith("transformer.h.") or name.startswith("transformer.ln_f."):
+        if name.startswith(("transformer.h.", "transformer.ln_f.")):
             state.setdefault(name.replace(".weight", ".bias"), torch.zeros(w.shape[0]))
-        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+        if name.endswith(CONV1D_WEIGHTS):
             state[name] = w.t()  # (out, in) -> Conv1D's (in, out)
     return state
 
 
-def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
-    """c_attn holds W_Q | W_K | W_V and c_fc W_1 | W_3 (SiLU's input | the gate's other
-    factor) side by side; Llama keeps each in its own Linear. Both rotate the pairs
+# Our modules -> Llama's. c_attn holds W_Q | W_K | W_V and c_fc W_1 | W_3 (SiLU's input | the
+# gate's other factor) stacked, in this order; Llama keeps each in its own Linear.
+LLAMA_NAMES = {
+    "transformer.wte": ("model.embed_tokens",),
+    "transformer.ln_f": ("model.norm",),
+    "lm_head": ("lm_head",),
+    "ln_1": ("input_layernorm",),
+    "ln_2": ("post_attention_layernorm",),
+    "attn.c_attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.c_proj": ("self_attn.o_proj",),
+    "mlp.c_fc": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.c_proj": ("mlp.down_proj",),
+}
+
+
+def _llama_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our tensors under Llama's names (LLAMA_NAMES), a stacked one split. Both rotate the pairs
     (i, i + head_size/2) (rotate_half), so q and k need no permutation."""
-    c = model.config
-    sd = model.state_dict()
-    state = {"model.embed_tokens.weight": sd["transformer.wte.weight"]}
-    kinds = ("weight", "bias") if c.bias else ("weight",)
-    for i in range(c.n_layer):
-        ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        state[theirs + "input_layernorm.weight"] = sd[ours + "ln_1.weight"]
-        state[theirs + "post_attention_layernorm.weight"] = sd[ours + "ln_2.weight"]
-        for kind in kinds:
-            q, k, v = sd[f"{ours}attn.c_attn.{kind}"].split(c.n_embd)  # (C, C) or (C,) each
-            gate, up = sd[f"{ours}mlp.c_fc.{kind}"].split(c.mlp_hidden)  # (hidden, C) each
-            state.update(
-                {
-                    f"{theirs}self_attn.q_proj.{kind}": q,
-                    f"{theirs}self_attn.k_proj.{kind}": k,
-                    f"{theirs}self_attn.v_proj.{kind}": v,
-                    f"{theirs}self_attn.o_proj.{kind}": sd[f"{ours}attn.c_proj.{kind}"],
-                    f"{theirs}mlp.gate_proj.{kind}": gate,
-                    f"{theirs}mlp.up_proj.{kind}": up,
-                    f"{theirs}mlp.down_proj.{kind}": sd[f"{ours}mlp.c_proj.{kind}"],
-                }
-            )
-    state["model.norm.weight"] = sd["transformer.ln_f.weight"]
-    if not c.tie_embeddings:
-        state["lm_head.weight"] = sd["lm_head.weight"]
-    return state
+    theirs = {}
+    for name, w in state.items():
+        layer, module, kind = re.fullmatch(
+            r"(?:transformer\.h\.(\d+)\.)?(.+)\.(\w+)", name
+        ).groups()
+        prefix = "" if layer is None else f"model.layers.{layer}."
+        names = LLAMA_NAMES[module]
+        for their_name, part in zip(names, w.chunk(len(names)), strict=True):
+            theirs[f"{prefix}{their_name}.{kind}"] = part
+    return theirs
 
 
 def model_card(ckpt: Checkpoint, architecture: str) -> str:
     """README.md of the export: where the weights came from and how good they are."""
     meta, run = ckpt.meta, ckpt.run_config
-    data = run.get("data") or {}
-    train = run.get("train") or {}
-    described = {k: v for k, v in data.items() if k not in ("cache_dir", "num_proc")}
+    data = {k: v for k, v in (run.get("data") or {}).items() if k not in ("cache_dir", "num_proc")}
     lines = [
         "---",
         "library_name: transformers",
@@ -193,8 +183,8 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
     ]
     if "train" in run:
         lines += [
-            f"- Training data: {json.dumps(described)}",
-            f"- Initialized from: {train.get('init_from') or 'random weights'}",
+            f"- Training data: {json.dumps(data)}",
+            f"- Initialized from: {(run['train'] or {}).get('init_from') or 'random weights'}",
             f"- Steps: {meta.get('step')}",
         ]
     else:
@@ -231,7 +221,7 @@ def _write_files(tmp: Path, files: dict[str, Any]) -> None:
         elif isinstance(content, str):
             (tmp / name).write_text(content)
         elif name.endswith(".safetensors"):
-            tensors = {k: v.detach().contiguous() for k, v in content.items()}
+            tensors = {k: v.contiguous() for k, v in content.items()}  # Conv1D's: transposed
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         else:
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")

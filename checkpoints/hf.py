@@ -15,13 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.weights import read_safetensors_header, stored_shapes
+from model.weights import read_safetensors_header, stored_shapes, stored_state
 
-_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# HF's Conv1D weights, stored (in, out): the transpose of our Linear's
+CONV1D_WEIGHTS = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a directory's, in order of preference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,25 +116,20 @@ HF_SIZES = [  # the keys of GPT-2's integers: a config.json must give positive i
     for key in hf_keys(name)
     if type(getattr(GPTConfig(), field.via or name)) is int
 ]
-MAX_CONFIG_BYTES = 1 << 20  # a GPT-2 config.json has about 1 KB
 
 
 def read_hf_config(file: Path) -> dict[str, Any]:
     """A Hugging Face GPT-2 config.json, every key we read checked (type, range, value) and
     named in a one-line ValueError. Other keys (labels, token ids, ...) do not affect us."""
-    if file.stat().st_size > MAX_CONFIG_BYTES:
-        raise ValueError(f"{file} has {file.stat().st_size:,} bytes: not a GPT-2 config.json")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{file} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
     for key in HF_SIZES:
-        value = config.get(key)
-        if value is None:  # absent, or n_inner's "4 * n_embd"
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        value = config.get(key)  # None: absent, or n_inner's "4 * n_embd"
+        if value is not None and (type(value) is not int or value <= 0):
             raise ValueError(f"{file}: {key} must be a positive integer, got {value!r}")
     if config.get("n_embd") and config.get("n_head") and config["n_embd"] % config["n_head"]:
         raise ValueError(
@@ -140,30 +143,6 @@ def read_hf_config(file: Path) -> dict[str, Any]:
                 f"computes; it needs {key} in {list(accepted)}"
             )
     return config
-
-
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        return load_file(str(path))
-    # mmap: the tensors stay in the file until copied; weights_only never unpickles code
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def _weights_file(path: Path) -> Path:
-    if not path.is_dir():
-        return path
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return path / name
-    raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-
-
-def _resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """w (V, C) with `rows` rows: cropped, or padded with zeros (padded tokens are never drawn
-    nor targets, so their rows only need to exist)."""
-    if rows <= w.size(0):
-        return w[:rows]
-    return torch.cat([w, w.new_zeros(rows - w.size(0), w.size(1))])  # (rows, C)
 
 
 def load_hf_gpt2(
@@ -190,42 +169,42 @@ def load_hf_gpt2(
     sd, claims, where = None, {}, "the weights"
     if isinstance(source, dict):
         sd = source
-        shapes = {k: tuple(v.shape) for k, v in sd.items()}
     else:
-        file = _weights_file(Path(source))
+        path = Path(source)
+        files = (
+            [path / n for n in WEIGHT_FILES if (path / n).is_file()] if path.is_dir() else [path]
+        )
+        if not files:
+            raise ValueError(f"{path} holds neither {' nor '.join(WEIGHT_FILES)}")
+        file = files[0]
         config_file = file.parent / "config.json"
         if config_file.is_file():
             claims, where = read_hf_config(config_file), str(config_file)
-        if file.suffix == ".safetensors":
-            shapes = {k: t.shape for k, t in read_safetensors_header(file).items()}
-        else:
-            sd = _read_state_dict(file)
-            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        if file.suffix != ".safetensors":
+            # mmap: the tensors stay in the file until copied; weights_only never unpickles code
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    tensors = read_safetensors_header(file) if sd is None else sd  # a header: no tensor read
+    shapes = {k.removeprefix("transformer."): tuple(v.shape) for k, v in tensors.items()}
     n_head = claims.get("n_head") if n_head is None else n_head
     if n_head is None:
         raise ValueError("n_head is not in the weights: pass n_head= or a folder with config.json")
-    shapes = {k.removeprefix("transformer."): v for k, v in shapes.items()}
     config = _config_from_shapes(shapes, n_head, claims, where, overrides)
-    _check_shapes(config, shapes)  # on a meta-device model: nothing allocated yet
     if sd is None:
-        sd = _read_state_dict(file)
+        sd = load_file(str(file))
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    if vocab_size is not None and vocab_size != config.vocab_size:  # padded (or cropped) rows
+    if vocab_size is not None and vocab_size != config.vocab_size:
+        # rows cropped, or padded with zeros: padded tokens are never drawn nor targets
         for key in ("wte.weight", "lm_head.weight"):
             if key in sd:
-                sd[key] = _resize_rows(sd[key], vocab_size)
+                rows = sd[key][:vocab_size]
+                sd[key] = F.pad(rows, (0, 0, 0, vocab_size - len(rows)))
         config = dataclasses.replace(config, vocab_size=vocab_size)
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
         config = dataclasses.replace(config, tie_embeddings=False)
     model = GPT(config)
-    ours = model.state_dict()
-    for key, target in ours.items():
-        hf_key = key.removeprefix("transformer.")
-        if hf_key == "lm_head.weight" and config.tie_embeddings:
-            continue  # the same tensor as wte.weight
-        w = sd[hf_key]
-        with torch.no_grad():
-            target.copy_(w.t() if hf_key.endswith(_TRANSPOSED) else w)
+    for key, target in stored_state(model).items():  # detached views of the parameters
+        w = sd[key.removeprefix("transformer.")]
+        target.copy_(w.t() if key.endswith(CONV1D_WEIGHTS) else w)
     return model
 
 
@@ -236,11 +215,9 @@ def _config_from_shapes(
     where: str,
     overrides: dict[str, Any],
 ) -> GPTConfig:
-    """GPTConfig from the weights' shapes, after checking what config.json claims about them.
-    The head is taken as tied here; an untied one is found once the tensors are read."""
-    for key in ("wte.weight", "wpe.weight"):
-        if len(shapes.get(key, ())) != 2:
-            raise ValueError(f"{where}: the weights have no 2-D {key}: not a GPT-2 checkpoint")
+    """GPTConfig from the weights' shapes, after checking what config.json claims about them and
+    that the weights hold every tensor it needs. The head is taken as tied here; an untied one is
+    found once the tensors are read."""
     vocab_size, n_embd = shapes["wte.weight"]
     layers = [int(m[1]) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))]
     shape = dict(  # what the weights themselves say: an override may repeat it, not change it
@@ -258,7 +235,7 @@ def _config_from_shapes(
                 )
     if claims.get("n_inner") not in (None, 4 * n_embd):
         raise ValueError(f"{where}: n_inner={claims['n_inner']} is not 4 * n_embd = {4 * n_embd}")
-    if "lm_head.weight" in shapes and shapes["lm_head.weight"] != shapes["wte.weight"]:
+    if shapes.get("lm_head.weight", shapes["wte.weight"]) != shapes["wte.weight"]:
         raise ValueError(
             f"{where}: lm_head.weight has shape {shapes['lm_head.weight']}, "
             f"wte.weight {shapes['wte.weight']}: they must match"
@@ -269,15 +246,13 @@ def _config_from_shapes(
                 f"model.{key}={value!r} does not match the weights, which have "
                 f"model.{key}={shape[key]!r}"
             )
-    return GPTConfig(**{**shape, **overrides, "n_head": n_head})
-
-
-def _check_shapes(config: GPTConfig, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor our model needs is in the weights with its shape (HF's Conv1D transposed)."""
+    config = GPTConfig(**{**shape, **overrides, "n_head": n_head})
+    # every tensor our model needs, with its shape (HF's Conv1D transposed): on the meta device
     for key, shape in stored_shapes(config).items():
         hf_key = key.removeprefix("transformer.")
         if hf_key not in shapes:
             raise ValueError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
-        got = shapes[hf_key][::-1] if hf_key.endswith(_TRANSPOSED) else shapes[hf_key]
+        got = shapes[hf_key][::-1] if hf_key.endswith(CONV1D_WEIGHTS) else shapes[hf_key]
         if got != shape:
             raise ValueError(f"{hf_key}: shape {tuple(got)} != ours {shape}")
+    return config

@@ -22,16 +22,15 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError
-from checkpoints.hf import load_hf_gpt2
+from checkpoints.hf import WEIGHT_FILES, load_hf_gpt2
 from checkpoints.store import MANIFEST_FILE, Checkpoint, CheckpointError, load_checkpoint
 from checkpoints.store import resolve_checkpoint as resolve_our_checkpoint
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
 ACCEPTED = (
     f"a GPT-2 name ({', '.join(GPT2_NAMES)}), a Hugging Face GPT-2 directory (config.json + "
-    f"{' or '.join(HF_WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
+    f"{' or '.join(WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
 )
 
 
@@ -40,7 +39,7 @@ def is_hf_dir(path: Path) -> bool:
     return (
         (path / "config.json").is_file()
         and not (path / MANIFEST_FILE).is_file()
-        and any((path / name).is_file() for name in HF_WEIGHT_FILES)
+        and any((path / name).is_file() for name in WEIGHT_FILES)
     )
 
 

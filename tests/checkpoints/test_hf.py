@@ -55,6 +55,8 @@ def test_state_dict_gives_the_same_logits(hf_model):
         got, _ = ours(idx)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     assert ours.config.block_size == 32 and ours.config.n_layer == 3
+    with pytest.raises(ValueError, match="n_head is not in the weights"):  # nor given
+        load_hf_gpt2(hf_model.state_dict())
 
 
 def test_saved_directory_loads_with_its_config(hf_model, tmp_path):
@@ -64,11 +66,6 @@ def test_saved_directory_loads_with_its_config(hf_model, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, atol=1e-4, rtol=0)
     assert ours.config.n_head == 4 and ours.config.attention == "sdpa"
-
-
-def test_missing_n_head_is_a_clear_error(hf_model):
-    with pytest.raises(ValueError, match="n_head"):
-        load_hf_gpt2(hf_model.state_dict())
 
 
 @pytest.mark.parametrize(
@@ -91,6 +88,8 @@ def test_architecture_overrides_are_refused_by_name(hf_model, key, value):
 
 
 def test_gpt2s_own_architecture_values_and_other_overrides_load(hf_model):
+    """And overrides that repeat the weights' shape: `bias=True` with weights that have biases
+    once raised TypeError (a keyword twice)."""
     ours = load_hf_gpt2(
         hf_model.state_dict(),
         n_head=4,
@@ -101,11 +100,14 @@ def test_gpt2s_own_architecture_values_and_other_overrides_load(hf_model):
         logit_softcap=None,
         dropout=0.1,
         zero_init_proj=True,  # an init option: the loaded weights replace the zeros
+        bias=True,
+        n_layer=3,
+        vocab_size=101,
     ).eval()
     idx = torch.randint(0, 101, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, atol=1e-4, rtol=0)
-    assert ours.config.dropout == 0.1
+    assert ours.config.dropout == 0.1 and ours.config.bias is True and ours.config.n_layer == 3
 
 
 # ----- a foreign directory: config.json is checked, and checked against the weights ----------
@@ -171,12 +173,6 @@ def test_a_pytorch_bin_directory_is_checked_and_loads(hf_model, tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="n_layer=24 disagrees"):
         load_hf_gpt2(tmp_path)
-
-
-def test_overrides_that_repeat_the_weights_shape_load(hf_model):
-    """`bias=True` with weights that have biases once raised TypeError (a keyword twice)."""
-    ours = load_hf_gpt2(hf_model.state_dict(), n_head=4, bias=True, n_layer=3, vocab_size=101)
-    assert ours.config.bias is True and ours.config.n_layer == 3
 
 
 @pytest.mark.parametrize("key, value", [("bias", False), ("n_layer", 2), ("block_size", 64)])
