@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from base.checks import boolean, check, is_int
 from base.entry import hydra_main
-from base.errors import ConfigError, user_errors
+from base.errors import user_errors
 from checkpoints.sources import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
@@ -45,17 +46,15 @@ def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
 def run(cfg: dict[str, Any]) -> int:
     """Print the report; 0 when every check passes, 1 otherwise."""
     for key, low in (("seq_len", 2), ("batch_size", 1)):
-        if type(cfg[key]) is not int or cfg[key] < low:  # bool is an int subclass: refused
-            raise ConfigError(f"{key} must be an integer >= {low}, got {cfg[key]!r}")
-    if cfg["attention"] not in ("all", *ATTENTION_IMPLS):
-        raise ConfigError(f"attention must be all or one of {list(ATTENTION_IMPLS)}")
-    if not isinstance(cfg["shrink"], bool):
-        raise ConfigError(f"shrink must be true or false, got {cfg['shrink']!r}")
+        check(key, cfg[key], is_int(cfg[key], low), f"an integer >= {low}")
+    attention, impls = cfg["attention"], list(ATTENTION_IMPLS)
+    check("attention", attention, attention in ["all", *impls], f"all or one of {impls}")
+    boolean("shrink", cfg["shrink"])
     device = resolve_device(cfg["device"])
     torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
     model, description = model_to_check(cfg)
     print(description)
-    attention = None if cfg["attention"] == "all" else (cfg["attention"],)
+    attention = None if attention == "all" else (attention,)
     report = check_causality(
         model.to(device), cfg["seq_len"], cfg["batch_size"], cfg["seed"], attention
     )
@@ -66,8 +65,7 @@ def run(cfg: dict[str, Any]) -> int:
 @hydra_main("check_causality")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        code = run(OmegaConf.to_container(cfg, resolve=True))
-    sys.exit(code)
+        sys.exit(run(OmegaConf.to_container(cfg, resolve=True)))
 
 
 if __name__ == "__main__":

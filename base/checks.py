@@ -23,10 +23,9 @@ def check(key: str, value: T, ok: bool, rule: str) -> T:
     return value
 
 
-def is_int(value: Any, minimum: int | None = None) -> bool:
+def is_int(value: Any, minimum: int) -> bool:
     """An int (YAML's true and false are not) of at least `minimum`."""
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    return ok and (minimum is None or value >= minimum)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def is_number(value: Any, low: float = -math.inf, high: float = math.inf) -> bool:
@@ -43,12 +42,10 @@ def non_negative_int(key: str, value: Any) -> int:
     return check(key, value, is_int(value, 0), "a non-negative integer")
 
 
-def number(key: str, value: Any, low: float | None = None, high: float | None = None) -> float:
-    """A finite number, within [low, high] where given."""
+def number(key: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
+    """A finite number, within [low, high]."""
     check(key, value, is_number(value), "a finite number")
-    lo = -math.inf if low is None else low
-    hi = math.inf if high is None else high
-    return float(check(key, value, lo <= value <= hi, f"in [{low}, {high}]"))
+    return float(check(key, value, low <= value <= high, f"in [{low}, {high}]"))
 
 
 def boolean(key: str, value: Any) -> bool:

@@ -9,13 +9,13 @@ the task itself pass through untouched: the task handles its users' mistakes wit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any
+from unittest import mock
 
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -32,25 +32,24 @@ def hydra_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Call
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], None]:
         raised_by_task: list[BaseException] = []
 
-        @functools.wraps(task)
-        def tracked_task(cfg: DictConfig) -> Any:
+        @hydra.main(config_path="configs", config_name=config_name, version_base=None)
+        @functools.wraps(task)  # Hydra unwraps to `task`: configs/ next to its script
+        def run(cfg: DictConfig) -> Any:
             try:
                 return task(cfg)
             except Exception as e:
                 raised_by_task.append(e)
                 raise
 
-        run = hydra.main(config_path="configs", config_name=config_name, version_base=None)(
-            tracked_task
-        )
-
         @functools.wraps(task)
         def main() -> None:
-            with _hydra_raises():
+            # Hydra re-raises its errors instead of printing them (its documented
+            # HYDRA_FULL_ERROR); patch.dict puts the environment back afterwards.
+            with mock.patch.dict(os.environ, HYDRA_FULL_ERROR="1"):
                 try:
                     run()
                 except (HydraException, OmegaConfBaseException, ValueError) as e:
-                    if any(e is r for r in raised_by_task):
+                    if e in raised_by_task:  # the task's own: a bug, its traceback shows
                         raise
                     exit_user_error(describe(e))
 
@@ -59,28 +58,12 @@ def hydra_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Call
     return decorate
 
 
-@contextlib.contextmanager
-def _hydra_raises() -> Iterator[None]:
-    """Hydra re-raises errors instead of printing them (its documented HYDRA_FULL_ERROR)."""
-    previous = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
-
-
 def describe(e: Exception) -> str:
     """One line for an error Hydra or OmegaConf raised while composing the config."""
     if isinstance(e, MissingConfigException) and e.options is not None and e.missing_cfg_file:
         missing = PurePosixPath(e.missing_cfg_file)
-        group = str(missing.parent)
-        return f"{group}={missing.name} is not in configs/{group}/; choose one of: " + ", ".join(
-            sorted(e.options)
-        )
+        group, choices = missing.parent, ", ".join(sorted(e.options))
+        return f"{group}={missing.name} is not in configs/{group}/; choose one of: {choices}"
     if isinstance(e, OverrideParseException):
         reason = e.message.splitlines()[0]
         return (
@@ -94,9 +77,7 @@ def describe(e: Exception) -> str:
         prefix = key.rpartition(".")[0]
         names = [f"{prefix}.{k}" if prefix else str(k) for k in sorted(known) if k != "hydra"]
         return f"unknown config key {key}; known keys: {', '.join(names)}"
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if first.startswith("Could not override '"):  # a key or group this script does not have
-        key = first.split("'")[1]
-        script = PurePosixPath(sys.argv[0]).name
+    if str(e).startswith("Could not override '"):  # a key or group this script does not have
+        key, script = str(e).split("'")[1], PurePosixPath(sys.argv[0]).name
         return f"unknown config key {key}; `python {script} --help` lists the keys"
     return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())

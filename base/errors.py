@@ -11,28 +11,23 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
-EXIT_USER_ERROR = 2
-
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what it accepts."""
 
 
-# A user mistake: bad config, data or checkpoint (the project's errors all derive from
-# ValueError, as UnicodeDecodeError does), or a file that is missing or cannot be written.
-USER_ERRORS = (ValueError, OSError)
-
-
 def exit_user_error(message: str) -> NoReturn:
     """The one way out for a user mistake: `error: <message>` as one line on stderr, exit 2."""
     print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(2)
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A user mistake inside the block exits through `exit_user_error`, without a traceback."""
+    # Bad config, data or checkpoint (the project's errors all derive from ValueError, as
+    # UnicodeDecodeError does), or a file that is missing or cannot be written.
     try:
         yield
-    except USER_ERRORS as e:
+    except (ValueError, OSError) as e:
         exit_user_error(str(e) or type(e).__name__)

@@ -53,21 +53,19 @@ class FunctionState:
     load_state_dict: Callable[[Any], None]
 
 
+@dataclass
 class CheckpointManager:
-    def __init__(
-        self,
-        run_dir: Path,
-        resolved_config: dict[str, Any],
-        data: PreparedData,
-        keep: int,
-        dist: DistInfo,
-        say: Callable[[str], None],
-    ):
-        self.dir = run_dir / "checkpoints"
-        self.run_dir, self.resolved_config, self.data = run_dir, resolved_config, data
-        self.keep, self.dist, self.say = keep, dist, say
+    run_dir: Path
+    resolved_config: dict[str, Any]
+    data: PreparedData
+    keep: int
+    dist: DistInfo
+    say: Callable[[str], None]
+
+    def __post_init__(self) -> None:
+        self.dir = self.run_dir / "checkpoints"
         self.disk_reported = False  # the first full checkpoint's size is printed once
-        if dist.is_main:  # fail now, not at the first checkpoint
+        if self.dist.is_main:  # fail now, not at the first checkpoint
             check_writable(self.dir)
 
     def resume_checkpoint(self, resume: str | None, config: GPTConfig) -> Checkpoint | None:
@@ -103,7 +101,7 @@ class CheckpointManager:
         state does not know, and a worse model must not replace it."""
         try:
             return float(verify_checkpoint(self.dir / "best")["meta"]["val_loss"])
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        except (OSError, KeyError, TypeError, ValueError):  # CheckpointError is a ValueError
             return math.inf
 
     def save(

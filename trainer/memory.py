@@ -64,11 +64,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    config: GPTConfig,
-    batch_size: int,
-    optimizer: str,
-    dtype: torch.dtype,
-    shards: int = 1,
+    config: GPTConfig, batch_size: int, optimizer: str, dtype: torch.dtype, shards: int = 1
 ) -> MemoryEstimate:
     """The estimated peak of one training step of micro-batches of `batch_size` windows of
     config.block_size tokens under autocast `dtype` (float32: none); see the module docstring.

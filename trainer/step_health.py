@@ -17,8 +17,6 @@ Verdict = Literal["step", "scaler_skip", "diverged"]
 def step_verdict(loss_finite: bool, grads_finite: bool, scaled: bool) -> Verdict:
     """ "step": apply the update. "scaler_skip": float16 overflow, the scaler skips and backs off
     (only with a gradient scaler, `scaled`). "diverged": the train.on_nan path."""
-    if not loss_finite:
-        return "diverged"
-    if grads_finite:
+    if loss_finite and grads_finite:
         return "step"
-    return "scaler_skip" if scaled else "diverged"
+    return "scaler_skip" if loss_finite and scaled else "diverged"
