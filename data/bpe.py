@@ -144,19 +144,15 @@ class TrainStats:
     bytes: int  # UTF-8 bytes of training text
     chunks: int  # pre-split chunks
     unique_chunks: int
-    skipped_pairs: int  # pairs not merged because their bytes were already a token
 
 
 def _merge(ids: list[int], left: int, right: int, new: int) -> list[int]:
     """Replace each ``(left, right)`` in ``ids`` with ``new``, left to right."""
-    out, i, n = [], 0, len(ids)
-    while i < n:
-        if i + 1 < n and ids[i] == left and ids[i + 1] == right:
-            out.append(new)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
+    out, i = [], 0
+    while i < len(ids):
+        found = ids[i] == left and ids[i + 1 : i + 2] == [right]
+        out.append(new if found else ids[i])
+        i += 2 if found else 1
     return out
 
 
@@ -185,7 +181,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
     tokens = [bytes([i]) for i in range(256)]
     known = set(tokens)
     merges: list[tuple[int, int]] = []
-    banned: set[tuple[int, int]] = set()  # pairs whose bytes are already a token
     n_merges = vocab_size - MIN_VOCAB
     while len(merges) < n_merges:
         if not heap:
@@ -198,8 +193,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
         if pair_counts.get(pair) != -neg_count:
             continue  # stale: the count changed after this entry was pushed
         merged = tokens[left] + tokens[right]
-        if merged in known:
-            banned.add(pair)
+        if merged in known:  # never merged: a later push of it is popped and dropped again
             del pair_counts[pair]
             continue
         new = len(tokens)
@@ -220,7 +214,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
                 delta[p] += freqs[i]
                 where[p].add(i)
         for p, d in delta.items():
-            if d == 0 or p in banned:
+            if d == 0:
                 continue
             count = pair_counts[p] + d
             if count > 0:
@@ -229,6 +223,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
             else:
                 pair_counts.pop(p, None)
 
-    elapsed = time.perf_counter() - start
-    stats = TrainStats(elapsed, nbytes, sum(freqs), len(freqs), skipped_pairs=len(banned))
+    stats = TrainStats(time.perf_counter() - start, nbytes, sum(freqs), len(freqs))
     return BPE(f"bpe-{vocab_size}", PATTERN, tuple(merges)), stats

@@ -64,8 +64,9 @@ def verify_prepared(
     ``announce`` gets one line before hashing ``ANNOUNCE_BYTES`` or more.
     """
     path = directory / META
+    text = path.read_text()  # FileNotFoundError: never prepared here, or interrupted
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(text)
         if meta["fingerprint"] != expected_fingerprint:
             raise InvalidCache(f"{path} is for another fingerprint ({meta['fingerprint']})")
         # (path, size, sha256) of every file meta.json vouches for: token files, tokenizer file
@@ -78,9 +79,7 @@ def verify_prepared(
             files.append(
                 (directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"]))
             )
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
     try:
         for file, size, _ in files:

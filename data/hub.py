@@ -13,7 +13,7 @@ import datasets
 
 from data.errors import DataError
 from data.holdout import hold_out
-from data.text_files import expand_files
+from data.text_files import expand_files, file_stats
 
 _CONTENT_KEYS = (
     "path", "subset", "text_field", "train_split", "val_split", "val_fraction", "seed",
@@ -26,8 +26,7 @@ def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     data_files = cfg.get("data_files") or []
     patterns = data_files.values() if isinstance(data_files, dict) else [data_files]
     local = [p for v in patterns for p in expand_files(v, "data_files")]
-    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local]
-    return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": files}
+    return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": file_stats(local)}
 
 
 def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
@@ -41,7 +40,7 @@ def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.I
             data_files=cfg.get("data_files"),
         )
     except Exception as e:  # offline, unknown repo, bad split: many exception types
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first_line = (str(e).strip().splitlines() or [""])[0]
         raise DataError(
             f"could not load {cfg['path']!r} (subset={cfg.get('subset')}, split={split}): "
             f"{type(e).__name__}: {first_line}; check the name and network access"

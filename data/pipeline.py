@@ -9,14 +9,13 @@ import json
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tiktoken
-from datasets import Dataset, IterableDataset
 from omegaconf import DictConfig
 
 from base.files import atomic_path, sha256_file, write_atomic
@@ -62,37 +61,7 @@ class PreparedData:
 
     def bytes_per_token(self, split: str) -> float:
         """UTF-8 bytes per token, to convert a loss in nats/token into bits per byte."""
-        stats = self.meta["splits"][split]
-        return stats["bytes"] / stats["tokens"]
-
-
-def _train_tokenizer(
-    cfg: dict[str, Any], vocab_size: int, train: Dataset | IterableDataset, out: Path, verbose: bool
-) -> dict[str, Any]:
-    """Train ``bpe-<N>`` on the train split alone and write it atomically to the data directory;
-    returns the meta entries recording it."""
-    texts = (t for batch in train.iter(batch_size=MAP_BATCH_SIZE) for t in batch["text"])
-    bpe, stats = train_bpe(texts, vocab_size)
-    path = out / TOKENIZER_FILE
-    write_atomic(path, bpe.to_json())
-    if verbose:
-        print(
-            f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} MB, "
-            f"{stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in {stats.seconds:.2f}s"
-        )
-    return {
-        "tokenizer_file": {
-            "name": path.name,
-            "bytes": path.stat().st_size,
-            "sha256": sha256_file(path),
-        },
-        "tokenizer_training": {
-            "seconds": round(stats.seconds, 3),
-            "bytes": stats.bytes,
-            "chunks": stats.chunks,
-            "unique_chunks": stats.unique_chunks,
-        },
-    }
+        return self.meta["splits"][split]["bytes"] / self.meta["splits"][split]["tokens"]
 
 
 def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
@@ -102,7 +71,23 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
-    trained = _train_tokenizer(cfg, vocab_size, docs["train"], out, verbose) if vocab_size else {}
+    trained: dict[str, Any] = {}
+    if vocab_size:  # trained on the train split alone
+        texts = (t for b in docs["train"].iter(batch_size=MAP_BATCH_SIZE) for t in b["text"])
+        bpe, stats = train_bpe(texts, vocab_size)
+        path = out / TOKENIZER_FILE
+        write_atomic(path, bpe.to_json())
+        if verbose:
+            print(
+                f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} "
+                f"MB, {stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in "
+                f"{stats.seconds:.2f}s"
+            )
+        file = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        trained = {
+            "tokenizer_file": file,
+            "tokenizer_training": {**asdict(stats), "seconds": round(stats.seconds, 3)},
+        }
     enc = load_tokenizer(tokenizer, out)
     splits = {}
     for split in ("train", "val"):

@@ -43,12 +43,14 @@ def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
     return {"train": train, "val": expand_files(cfg.get("val_files"), "val_files")}
 
 
-def identity(cfg: dict[str, Any]) -> dict[str, Any]:
+def file_stats(paths: list[Path]) -> list[list]:
     """Path, size and mtime of every file: cheap to compute, and changes when a file is edited."""
-    stats = {
-        split: [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-        for split, files in _file_lists(cfg).items()
-    }
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def identity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every file's path, size and mtime, and how the split is cut."""
+    stats = {split: file_stats(files) for split, files in _file_lists(cfg).items()}
     keys = ("val_fraction", "encoding_errors")
     return {"files": stats, **{k: cfg.get(k) for k in keys}}
 

@@ -122,7 +122,6 @@ def model_config_for(model_values: dict[str, Any], data: PreparedData) -> GPTCon
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
         self.cfg = cfg
-        self.resolved_config = resolved_config  # what gets saved and sent to wandb
         # The same seed on every rank: identical initial weights (FSDP shards each rank's copy)
         # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
         # rank 0's RNG state, saved in checkpoints, is every rank's.
