@@ -43,6 +43,8 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TRAINER_FILE = "trainer.pt"
 MANIFEST_FILE = "manifest.json"
+
+
 MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
 
 
@@ -199,7 +201,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 '{"bytes": <size>, "sha256": <64 hex digits>}'
             )
     for name in (MODEL_FILE, CONFIG_FILE, TRAINER_FILE, TOKENIZER_FILE):
-        required = name in (MODEL_FILE, CONFIG_FILE)
+        required = name in (MODEL_FILE, CONFIG_FILE)  # the others only when present
         if name not in manifest and (required or os.path.lexists(path / name)):
             raise CheckpointError(
                 f"checkpoint file {path / name} is not listed in {manifest_file}: "
@@ -230,8 +232,7 @@ def _read_config(file: Path) -> dict[str, Any]:
     for key in ("model", "run", "meta"):
         if not isinstance(config.get(key), dict):
             raise CheckpointError(f"{file}: {key} must be a JSON object, got {config.get(key)!r}")
-    data = config["run"].get("data")
-    if not isinstance(data, (dict, type(None))):
+    if not isinstance(data := config["run"].get("data"), (dict, type(None))):
         raise CheckpointError(f"{file}: run.data must be a JSON object, got {data!r}")
     for where, values in (("meta", config["meta"]), ("run.data", data or {})):
         if not isinstance(tokenizer := values.get("tokenizer"), (str, type(None))):
@@ -240,8 +241,8 @@ def _read_config(file: Path) -> dict[str, Any]:
 
 
 def _read_json(file: Path) -> Any:
-    """A small JSON file; anything else is a CheckpointError naming it."""
-    if file.stat().st_size > MAX_JSON_BYTES:
+    """A JSON file; anything else is a CheckpointError naming it."""
+    if file.stat().st_size > MAX_JSON_BYTES:  # an untrusted checkpoint cannot make us read GBs
         raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
@@ -317,21 +318,16 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
 
 def find_checkpoint(path: str | Path | None, prefer: str = "best") -> Path:
     """What the `checkpoint=` key of sample.py and evaluate.py means: a checkpoint, run or
-    `checkpoints/` directory (see resolve_checkpoint), or null for the newest run in ./outputs."""
-    return (
-        latest_checkpoint("outputs", prefer) if path is None else resolve_checkpoint(path, prefer)
-    )
-
-
-def latest_checkpoint(runs_root: str | Path = "outputs", prefer: str = "best") -> Path:
-    """The newest run's checkpoint under `runs_root` (Hydra's default output tree)."""
-    root = Path(runs_root).expanduser()
-    manifests = root.glob(f"**/checkpoints/[!.]*/{MANIFEST_FILE}")  # not a write's temporaries
+    `checkpoints/` directory (see resolve_checkpoint), or null for the newest run's checkpoint
+    in ./outputs (Hydra's default output tree)."""
+    if path is not None:
+        return resolve_checkpoint(path, prefer)
+    manifests = Path("outputs").glob(f"**/checkpoints/[!.]*/{MANIFEST_FILE}")  # not temporaries
     newest = max(manifests, key=lambda p: p.stat().st_mtime, default=None)
     if newest is None:
         raise CheckpointError(
-            f"no checkpoint found under {root.resolve()}: train one with `python train.py`, "
-            "or pass checkpoint=<run dir>"
+            f"no checkpoint found under {Path('outputs').resolve()}: train one with "
+            "`python train.py`, or pass checkpoint=<run dir>"
         )
     return resolve_checkpoint(newest.parents[2], prefer)
 
@@ -350,20 +346,16 @@ def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, newest: str) -> list
     ckpt_dir = Path(ckpt_dir)
     for leftover in ckpt_dir.glob(f".{STEP_PREFIX}*.pruning"):
         shutil.rmtree(leftover, ignore_errors=True)
-    steps = [
-        p
-        for p in ckpt_dir.glob(f"{STEP_PREFIX}*")
-        if re.fullmatch(rf"{STEP_PREFIX}\d+", p.name) and (p / MANIFEST_FILE).is_file()
-    ]
-    # Most recently written first (a resumed run may rewrite lower steps after higher ones).
-    steps.sort(
-        key=lambda p: (
-            p.name == newest,
-            (p / MANIFEST_FILE).stat().st_mtime_ns,
-            int(p.name.removeprefix(STEP_PREFIX)),
-        )
+    steps = {  # number -> manifest of each complete step checkpoint
+        int(number): m
+        for m in ckpt_dir.glob(f"{STEP_PREFIX}*/{MANIFEST_FILE}")
+        if (number := m.parent.name.removeprefix(STEP_PREFIX)).isdecimal()
+    }
+    # Oldest write first (a resumed run may rewrite lower steps after higher ones).
+    by_age = sorted(
+        steps, key=lambda n: (f"{STEP_PREFIX}{n}" == newest, steps[n].stat().st_mtime_ns, n)
     )
-    deleted = steps[: max(len(steps) - keep, 0)]
+    deleted = [steps[n].parent for n in by_age[: max(len(steps) - keep, 0)]]
     for path in deleted:
         aside = path.with_name(f".{path.name}.pruning")
         os.replace(path, aside)

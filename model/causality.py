@@ -179,8 +179,7 @@ def perturbation_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckRes
         if torch.equal(out["logits"][:, s], base["logits"][:, s]):
             problems.append(f"the logits at t={s} ignore the token at t={s}")
     order = list(base)  # report the earliest output in forward order, then the largest change
-    found = [leak for leak in leaks if leak is not None]
-    leak = min(found, key=lambda leak: (order.index(leak.where), -leak.size), default=None)
+    leak = min(filter(None, leaks), key=lambda x: (order.index(x.where), -x.size), default=None)
     return CheckResult("perturbation", "change in the past", T - 1, largest, leak, problems)
 
 

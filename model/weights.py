@@ -81,28 +81,25 @@ def check_config_against_weights(
             )
     expected = stored_shapes(config)
     for name in sorted(expected.keys() | tensors.keys()):
+        keys = next(k for part, k in _KEYS if part in name)
         if name not in tensors:
-            raise ValueError(f"the config's model has {name}, {source} do not ({_keys(name)})")
+            raise ValueError(f"the config's model has {name}, {source} do not (see {keys})")
         if name not in expected:
-            raise ValueError(f"{source} hold {name}, the config's model does not ({_keys(name)})")
-        if tensors[name].shape != expected[name]:
+            raise ValueError(f"{source} hold {name}, the config's model does not (see {keys})")
+        if (shape := tensors[name].shape) != expected[name]:
             raise ValueError(
-                f"{source} give {name} the shape {tensors[name].shape}, the config's model "
-                f"{expected[name]} ({_keys(name)})"
+                f"{source} give {name} the shape {shape}, the config's model {expected[name]} "
+                f"(see {keys})"
             )
-        if tensors[name].dtype not in FLOAT_DTYPES:
+        if (dtype := tensors[name].dtype) not in FLOAT_DTYPES:
             raise ValueError(
-                f"{source} store {name} as {tensors[name].dtype}; weights are one of "
-                f"{list(FLOAT_DTYPES)}"
+                f"{source} store {name} as {dtype}; weights are one of {list(FLOAT_DTYPES)}"
             )
 
 
-def _keys(tensor: str) -> str:
-    """The config keys that decide whether a tensor exists and its shape, for the message."""
-    if tensor.endswith("norm.weight"):
-        return "see model.qk_norm and model.n_head"
-    if ".mlp." in tensor:
-        return "see model.mlp, model.mlp_ratio and model.bias"
-    if tensor.endswith(".bias"):
-        return "see model.bias and model.norm"
-    return "see model.norm"
+_KEYS = (  # (part of a tensor's name, the config keys that decide its existence and shape)
+    ("norm.weight", "model.qk_norm and model.n_head"),
+    (".mlp.", "model.mlp, model.mlp_ratio and model.bias"),
+    (".bias", "model.bias and model.norm"),
+    ("", "model.norm"),
+)

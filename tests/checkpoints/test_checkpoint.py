@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoints.store import (
     CheckpointError,
-    latest_checkpoint,
+    find_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
@@ -142,14 +143,15 @@ def test_crash_between_the_two_renames_is_recovered(tmp_path):
     assert load_checkpoint(tmp_path / "last").meta["step"] == 5
 
 
-def test_latest_checkpoint_is_the_newest_run(tmp_path):
+def test_no_checkpoint_means_the_newest_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="python train.py"):
+        find_checkpoint(None)
     save(tmp_path / "outputs" / "a" / "checkpoints" / "best", step=1)
-    newer = tmp_path / "outputs" / "b" / "checkpoints" / "best"
+    newer = Path("outputs") / "b" / "checkpoints" / "best"
     save(newer, step=2)
     os.utime(newer / "manifest.json", (2e9, 2e9))
-    assert latest_checkpoint(tmp_path / "outputs") == newer
-    with pytest.raises(CheckpointError, match="python train.py"):
-        latest_checkpoint(tmp_path / "nothing")
+    assert find_checkpoint(None) == newer
 
 
 @pytest.mark.parametrize(

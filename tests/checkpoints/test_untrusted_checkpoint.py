@@ -213,6 +213,15 @@ def test_a_malformed_manifest_entry_is_one_error(ckpt, capsys, entry):
     assert "the entry for 'model.safetensors' is not" in sample_error(ckpt, capsys)
 
 
+def test_an_oversized_manifest_is_refused_before_it_is_read(ckpt, capsys, monkeypatch):
+    """A checkpoint cannot make the loader read gigabytes of JSON: past MAX_JSON_BYTES (here
+    lowered to a size the real manifest exceeds) the file is refused without being opened."""
+    size = (ckpt / MANIFEST_FILE).stat().st_size
+    monkeypatch.setattr(checkpoint_module, "MAX_JSON_BYTES", size - 1)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the manifest was read"))
+    assert f"has {size:,} bytes: too large to be ours" in sample_error(ckpt, capsys)
+
+
 def test_a_symlinked_file_leading_out_is_refused(ckpt, tmp_path, capsys):
     """The weights replaced by a link to an identical copy outside: the manifest's sizes and
     sha256 match, the link is still refused."""
