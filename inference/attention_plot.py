@@ -52,7 +52,7 @@ def token_labels(tokenizer: tiktoken.Encoding, ids: Sequence[int]) -> list[str]:
 
 
 def plot_attention(
-    probs: torch.Tensor, labels: Sequence[str], path: str | Path, title: str = ""
+    probs: torch.Tensor, labels: Sequence[str], path: str | Path, title: str
 ) -> Figure:
     """Write S (n_head, T, T) as a grid of heatmaps to `path` (format from its suffix) and
     return the figure. All heads share one 0-to-1 colour scale, so they can be compared."""
@@ -65,8 +65,7 @@ def plot_attention(
     panel = min(max(2.5 + 0.18 * T, 3.0), 9.0)  # inches: room for the token labels
     fig = Figure(figsize=(ncols * panel + 1.2, nrows * panel + 0.6), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    step = math.ceil(T / MAX_TICKS)
-    ticks = list(range(0, T, step))
+    ticks = list(range(0, T, math.ceil(T / MAX_TICKS)))
     for h, ax in enumerate(axes.flat):
         if h >= n_head:
             ax.set_axis_off()
@@ -87,8 +86,7 @@ def plot_attention(
         if h // ncols == nrows - 1 or h + ncols >= n_head:
             ax.set_xlabel("key: the token attended to")
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability")
-    if title:
-        fig.suptitle(title, fontsize=13)
+    fig.suptitle(title, fontsize=13)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, facecolor="white")

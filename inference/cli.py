@@ -45,10 +45,9 @@ def write_attention_plot(
 ) -> None:
     """Draw the prompt's attention probabilities S of `layer` (default the last) to `path`."""
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
-    probs = prompt_attention(model, idx, layer)
-    n_layer = model.config.n_layer
-    shown = n_layer - 1 if layer is None else layer % n_layer
-    title = f"Causal attention probabilities S, layer {shown} (layers 0 to {n_layer - 1})"
+    probs = prompt_attention(model, idx, layer)  # refuses a layer out of range
+    n_layer, shown = model.config.n_layer, -1 if layer is None else layer
+    title = f"Causal attention probabilities S, layer {shown % n_layer} (layers 0 to {n_layer - 1})"
     plot_attention(probs, token_labels(tokenizer, ids), path, title)
 
 

@@ -62,12 +62,10 @@ def next_token(
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature
-    if params.top_k is not None:
-        logits = top_k_filter(logits, params.top_k)
-    if params.top_p is not None:
-        logits = top_p_filter(logits, params.top_p)
-    if params.min_p is not None:
-        logits = min_p_filter(logits, params.min_p)
+    filters = {top_k_filter: params.top_k, top_p_filter: params.top_p, min_p_filter: params.min_p}
+    for keep, value in filters.items():  # in this order; None: that filter is off
+        if value is not None:
+            logits = keep(logits, value)
     probs = F.softmax(logits, dim=-1)
     # Inverse-CDF sampling: one uniform u per row, and the first token whose cumulative
     # probability exceeds u * total is token i with probability p_i, the distribution of

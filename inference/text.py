@@ -20,14 +20,8 @@ _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 def decode_escapes(text: str) -> str:
     r"""`\n`, `\t`, `\r`, `\\` and `\uXXXX` as the characters they name: the shell and Hydra
     pass `'stop=["\n\n"]'` on as backslash, n. Any other backslash stays as written."""
-
-    def replace(match: re.Match) -> str:
-        code, char = match.groups()
-        if code:
-            return chr(int(code, 16))
-        return _ESCAPES.get(char, match[0])
-
-    return _ESCAPE.sub(replace, text)
+    # group 1: the hex digits of \\uXXXX; group 2: the character after any other backslash
+    return _ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _ESCAPES.get(m[2], m[0]), text)
 
 
 class TextStream:
@@ -64,15 +58,12 @@ class TextStream:
         buf = self._held + new
         hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
         if hits:
-            self._held, self.done = "", True
-            return self._show(buf[: min(hits)])
-        held = max((_overlap(buf, s) for s in self._stop), default=0)
-        self._held = buf[len(buf) - held :]
-        return self._show(buf[: len(buf) - held])
-
-    def _show(self, text: str) -> str:
-        self.text += text
-        return text
+            self._held, self.done, shown = "", True, buf[: min(hits)]
+        else:
+            held = max((_overlap(buf, s) for s in self._stop), default=0)
+            self._held, shown = buf[len(buf) - held :], buf[: len(buf) - held]
+        self.text += shown
+        return shown
 
 
 def _overlap(text: str, stop: str) -> int:

@@ -11,7 +11,7 @@ import tiktoken
 from transformers import GPT2TokenizerFast
 
 from data import DataError, get_tokenizer
-from data.tokenizer import gpt2_bpe_files, offline_gpt2, token_dtype
+from data.tokenizer import GPT2_FILES_SHA256, gpt2_bpe_files, token_dtype
 
 TRICKY = [
     "Hello, world!",
@@ -100,12 +100,11 @@ def test_matches_tiktokens_own_gpt2_loader(enc: tiktoken.Encoding, tmp_path, mon
         )
 
 
-def test_tampered_files_are_refused(tmp_path) -> None:
-    data = gpt2_bpe_files()[0].parent
-    (tmp_path / "encoder.json").write_bytes((data / "encoder.json").read_bytes())
-    (tmp_path / "vocab.bpe").write_bytes((data / "vocab.bpe").read_bytes() + b"\n")
-    with pytest.raises(DataError, match="sha256"):
-        offline_gpt2(tmp_path)
+def test_tampered_files_are_refused(monkeypatch) -> None:
+    """A file whose sha256 is not the one tiktoken pins is refused, naming the hash."""
+    monkeypatch.setitem(GPT2_FILES_SHA256, "vocab.bpe", "0" * 64)
+    with pytest.raises(DataError, match="vocab.bpe has sha256 .* but tiktoken's gpt2 expects 0+"):
+        gpt2_bpe_files()
 
 
 def test_unknown_tokenizer_lists_known() -> None:

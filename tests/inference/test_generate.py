@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import SamplingParams, TokenContext, generate, next_token, stream_tokens
+from inference.generate import SamplingParams, TokenContext, generate, next_token, stream_tokens
 from model import ATTENTION_IMPLS, GPT
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
