@@ -196,17 +196,17 @@ class RunConfig:
         values = {k: v for k, v in values.items() if k != "experiment"}
         for f in dataclasses.fields(cls):
             if f.name in values and f.default_factory is not dataclasses.MISSING:  # a section
-                values[f.name] = _build(f.default_factory, values[f.name] or {}, f.name)
+                values[f.name] = _build(f.default_factory, values[f.name] or {}, f"{f.name}.")
         return _build(cls, values, "")
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
+    """kind(**values); `prefix` ("optim." or "") names the section in the error."""
     names = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(values) - names)
     if unknown:
-        where = f"{prefix}." if prefix else ""
         raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; known keys: "
-            + ", ".join(f"{where}{n}" for n in sorted(names))
+            f"unknown config key {prefix}{unknown[0]}; known keys: "
+            + ", ".join(f"{prefix}{n}" for n in sorted(names))
         )
     return kind(**values)

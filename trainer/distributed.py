@@ -23,18 +23,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import (
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
+from torch.distributed import fsdp
+from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,8 +34,8 @@ from model import GPT
 
 T = TypeVar("T")
 
-FULL_STATE = StateDictOptions(full_state_dict=True)
-FULL_STATE_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_STATE = dcp_state.StateDictOptions(full_state_dict=True)
+FULL_STATE_ON_RANK0_CPU = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
 # How long ranks wait for work rank 0 does alone (preparing or verifying a dataset, writing a
 # checkpoint: hours for 10B tokens, minutes for gpt2-xl's 18.7 GB on network storage), where
 # parallel.timeout_s (meant for a peer that died or hangs in a collective) would end the job.
@@ -228,14 +218,14 @@ def wrap_model(
             gradient_as_bucket_view=True,
             **NO_BUFFER_BROADCAST,
         )
-    mp_policy = MixedPrecisionPolicy()  # float32: no casts
+    mp_policy = fsdp.MixedPrecisionPolicy()  # float32: no casts
     if compute_dtype != torch.float32:
-        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        fsdp.fully_shard(block, mp_policy=mp_policy)
+    fsdp.fully_shard(model, mp_policy=mp_policy)
     for method in ("hidden_states", "logits"):  # generation calls them in place of forward
-        register_fsdp_forward_method(model, method)
+        fsdp.register_fsdp_forward_method(model, method)
     return model
 
 
@@ -243,7 +233,7 @@ def compile_model(model: GPT, parallel_model: nn.Module) -> nn.Module:
     """What training steps through with compile=true. FSDP: each block compiled in place
     (torchtitan's way: the all-gathers between blocks stay outside the graphs, which FSDP2
     hooks drive); otherwise the whole (DDP-wrapped) model, as nanoGPT does."""
-    if isinstance(model, FSDPModule):
+    if isinstance(model, fsdp.FSDPModule):
         for block in model.transformer.h:
             block.compile()
         return model
@@ -253,7 +243,7 @@ def compile_model(model: GPT, parallel_model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Gradient accumulation without needless communication: the forward and backward of every
     micro-batch but the last accumulate locally (enabled=False); the last one reduces."""
-    if isinstance(model, FSDPModule):
+    if isinstance(model, fsdp.FSDPModule):
         model.set_requires_gradient_sync(enabled)
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
@@ -273,9 +263,9 @@ def full_model(model: GPT) -> GPT:
     Unsharded models are returned as they are. Sharded (FSDP) ones are gathered to rank 0's CPU
     (every rank must call this) and placed in a GPT built on the meta device, which allocates
     nothing and is never run; on other ranks it holds no weights."""
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, fsdp.FSDPModule):
         return model
-    state = get_model_state_dict(model, options=FULL_STATE_ON_RANK0_CPU)
+    state = dcp_state.get_model_state_dict(model, options=FULL_STATE_ON_RANK0_CPU)
     with torch.device("meta"):
         holder = GPT(model.config)
     if state:
@@ -298,12 +288,11 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     """`optimizer.state_dict()`, in full: under FSDP gathered from the shards to rank 0's CPU
     (every rank must call; other ranks get an empty dict) and numbered like a single process's,
     so any world size, or a single process, can resume from it."""
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, fsdp.FSDPModule):
         return optimizer.state_dict()
-    state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE_ON_RANK0_CPU)
-    if not state:
-        return {}
-    return _rekey(state, {name: i for i, name in enumerate(_param_names(model, optimizer))})
+    state = dcp_state.get_optimizer_state_dict(model, optimizer, options=FULL_STATE_ON_RANK0_CPU)
+    number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    return _rekey(state, number) if state else {}
 
 
 def load_optimizer_state(
@@ -322,10 +311,10 @@ def load_optimizer_state(
             f"has {ours}: resume with the optim.name the checkpoint was trained with"
         )
     configured = [dict(g) for g in optimizer.param_groups]  # loading keeps each group's params
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, fsdp.FSDPModule):
         optimizer.load_state_dict(state)
     else:
         by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
-        set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
+        dcp_state.set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
     for group, values in zip(optimizer.param_groups, configured, strict=True):
         group.update(values)

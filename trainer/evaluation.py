@@ -90,7 +90,7 @@ def evaluate(
         batches = sliding_windows(tokens, block_size, stride, rows)
     # Under FSDP every forward is a collective: a rank out of windows runs an unscored filler.
     window = torch.from_numpy(tokens[None, :block_size].astype(np.int64))
-    total_nats, total_tokens, n, loss_sum, loss_sq_sum = 0.0, 0, 0, 0.0, 0.0
+    stats = torch.zeros(5, dtype=torch.float64)  # nats, tokens, batches, sum and sum of squares
     with eval_mode(model):
         for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
             x, y = x.to(precision.device), y.to(precision.device)
@@ -98,20 +98,15 @@ def evaluate(
                 _, loss = model(x, y)
             if not scores:
                 continue
-            scored = int((y != -1).sum())
-            batch_loss = loss.item()
-            total_nats += batch_loss * scored
-            total_tokens += scored
-            n, loss_sum, loss_sq_sum = n + 1, loss_sum + batch_loss, loss_sq_sum + batch_loss**2
-    total_nats, total_tokens, n, loss_sum, loss_sq_sum = all_reduce_sum(
-        [total_nats, total_tokens, n, loss_sum, loss_sq_sum], precision.device
-    )
-    mean = total_nats / total_tokens
+            batch_loss, scored = loss.item(), int((y != -1).sum())
+            stats += torch.tensor([batch_loss * scored, scored, 1, batch_loss, batch_loss**2])
+    nats, scored, n, loss_sum, loss_sq_sum = all_reduce_sum(stats.tolist(), precision.device)
+    mean = nats / scored
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
     return EvalResult(
         loss=mean,
-        bpb=bits_per_byte(mean, total_tokens, total_tokens * bytes_per_token),
-        tokens=int(total_tokens),
+        bpb=bits_per_byte(mean, scored, scored * bytes_per_token),
+        tokens=int(scored),
         stderr=math.sqrt(max(variance, 0.0) / n),
     )
 

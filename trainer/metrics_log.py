@@ -29,12 +29,9 @@ PLOT_FILE = "loss.png"
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The complete rows of a metrics.jsonl; a line torn by a kill (unparseable) is skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
+    path = Path(path)
     rows = []
-    for line in lines:
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         with contextlib.suppress(json.JSONDecodeError):
             rows.append(json.loads(line))
     return rows
@@ -70,13 +67,12 @@ class MetricsLog:
         self.plot_path = Path(run_dir) / PLOT_FILE
         self.tokens_per_step = tokens_per_step
         self.enabled = enabled
-        self.rows: list[dict[str, Any]] = []
         self._pending = StepRows(self._write)  # the current step's values, not yet written
         if not enabled:
             return
-        self.rows = [r for r in read_metrics(self.path) if r["step"] <= step]
+        rows = [r for r in read_metrics(self.path) if r["step"] <= step]
         # Drop a torn line and the steps a resume will repeat.
-        text = "".join(json.dumps(r) + "\n" for r in self.rows)
+        text = "".join(json.dumps(r) + "\n" for r in rows)
         if self.path.exists() and self.path.read_text(encoding="utf-8") != text:
             write_atomic(self.path, text)
 
@@ -94,18 +90,18 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self.rows.append(row)
 
     def close(self) -> None:
         """Write the last row (at the end of the run, or when it stops)."""
         self._pending.flush()
 
     def plot(self) -> None:
-        """Redraw loss.png from every row so far (the current step's included)."""
+        """Redraw loss.png from every row so far (metrics.jsonl's, and the current step's)."""
         if not self.enabled:
             return
         pending = self._pending
-        rows = self.rows + ([] if pending.step is None else [self._row(pending.step, pending.row)])
+        rows = read_metrics(self.path)
+        rows += [] if pending.step is None else [self._row(pending.step, pending.row)]
         write_atomic(self.plot_path, lambda tmp: draw(rows, tmp, self.path.parent.name))
 
 

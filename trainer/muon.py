@@ -47,8 +47,6 @@ import torch.distributed as dist
 
 from hardware.device import fast_matmul_dtype
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """An approximately semi-orthogonal matrix U V^T for g = U S V^T (2-D), in bfloat16 where
@@ -57,7 +55,7 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor
     The Frobenius normalization puts every singular value in (0, 1], where the quintic's
     iteration pushes them towards ~1. Wide or tall: iterate on the wide orientation, whose
     Gram matrix X X^T is the smaller one."""
-    a, b, c = NS_COEFFICIENTS
+    a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(fast_matmul_dtype(g.device))
     tall = g.size(0) > g.size(1)
     if tall:
@@ -83,10 +81,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:  # no closure: training never re-evaluates the loss in a step
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
+            (self._muon_step if group["use_muon"] else self._adamw_step)(group)
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         """Under DDP every rank holds the same gradients, so the Newton-Schulz work is dealt

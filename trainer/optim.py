@@ -22,11 +22,6 @@ def is_block_matrix(name: str, p: nn.Parameter) -> bool:
     return name.startswith("transformer.h.") and p.dim() == 2
 
 
-def is_embedding_table(name: str) -> bool:
-    """The input embedding tables (tokens, learned positions): what optim.embed_lr trains."""
-    return name in ("transformer.wte.weight", "transformer.wpe.weight")
-
-
 def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, Any]]:
     """AdamW's two groups, weight decay on matrices and embeddings (dim >= 2) and none on biases
     and norm gains (they only shift or scale and gain nothing from being pulled to zero); with
@@ -41,7 +36,7 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
     def group_of(name: str, p: nn.Parameter) -> str:
         if muon and is_block_matrix(name, p):
             return "muon"
-        if own_rate and is_embedding_table(name):
+        if own_rate and name in ("transformer.wte.weight", "transformer.wpe.weight"):
             return "embed"
         return "decay" if p.dim() >= 2 else "no_decay"
 

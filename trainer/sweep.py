@@ -35,11 +35,7 @@ def _result(job_dir: Path) -> list[str]:
     if loss is None:
         evaluated = next((r for r in reversed(rows) if "val_loss" in r), {})
         loss, bpb = evaluated.get("val_loss"), evaluated.get("val_bpb")
-    return [str(rows[-1]["step"]), _number(loss), _number(bpb)]
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+    return [str(rows[-1]["step"]), *("-" if v is None else f"{v:.4f}" for v in (loss, bpb))]
 
 
 def sweep_table(sweep_dir: str | Path) -> str:

@@ -14,15 +14,13 @@ from typing import Any
 from trainer.config import WandbSettings
 from trainer.metrics_log import StepRows
 
-MODES = ("online", "offline", "disabled")
-
 
 def resolve_mode(mode: str) -> str:
     """`auto` -> $WANDB_MODE if it names a mode, else online if logged in (API key in env,
     settings or .netrc), else offline."""
     if mode != "auto":
         return mode
-    if os.environ.get("WANDB_MODE") in MODES:
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
         return os.environ["WANDB_MODE"]
     # Before wandb's first call: wandb ignores (and warns about) env changes after it.
     os.environ.setdefault("WANDB_SILENT", "true")  # our console shows where the run went
