@@ -58,9 +58,11 @@ def machine(device: str = "cpu") -> str:
     features, dtype=auto's choice), cores, torch and its threads, Python, and the device."""
     import torch
 
-    from hardware.device import cpu_auto_dtype, cpu_bf16_features, cpu_name, resolve_device
+    from hardware.device import cpu_auto_dtype, cpu_name, cpuinfo, resolve_device
 
-    features = ", ".join(cpu_bf16_features()) or "none: bfloat16 is emulated"
+    flags = set(cpuinfo().get("flags", "").split())  # native bfloat16 arithmetic, if any
+    bf16 = flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"}
+    features = ", ".join(sorted(bf16)) or "none: bfloat16 is emulated"
     where = resolve_device(device)
     gpu = f", GPU: {torch.cuda.get_device_name(where)}" if where.type == "cuda" else ""
     return (

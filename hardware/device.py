@@ -203,12 +203,6 @@ def cpuinfo() -> dict[str, str]:
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.split("\n"))}
 
 
-def cpu_bf16_features() -> list[str]:
-    """This CPU's flags for native bfloat16 arithmetic (none: bfloat16 is emulated)."""
-    flags = set(cpuinfo().get("flags", "").split())
-    return sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"})
-
-
 def cpu_name() -> str:
     """The CPU's model name, with its family and model numbers where /proc/cpuinfo has them
     ("AMD EPYC" alone names CPUs both with and without native bfloat16), for benchmark headers

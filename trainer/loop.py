@@ -108,15 +108,13 @@ def stop_signals() -> Iterator[list[int]]:
 
 def model_config_for(model_values: dict[str, Any], data: PreparedData) -> GPTConfig:
     """The model config with `vocab_size: null` filled in from the tokenizer."""
-    values = dict(model_values)
-    if values.get("vocab_size") is None:
-        values["vocab_size"] = data.vocab_size
-    elif values["vocab_size"] < data.vocab_size:
+    vocab = model_values.get("vocab_size")
+    if vocab is not None and vocab < data.vocab_size:
         raise ValueError(
-            f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's "
-            f"{data.vocab_size} tokens; set model.vocab_size=null to use the tokenizer's size"
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {data.vocab_size} tokens; "
+            "set model.vocab_size=null to use the tokenizer's size"
         )
-    return GPTConfig.from_dict(values)
+    return GPTConfig.from_dict({**model_values, "vocab_size": vocab or data.vocab_size})
 
 
 class Trainer:
