@@ -131,9 +131,9 @@ class BPE:
             eot = {ENDOFTEXT: bpe.eot_token}
             if (obj["vocab_size"], obj["special_tokens"]) != (bpe.vocab_size, eot):
                 raise bad("vocab_size or special_tokens disagree with the merges")
+        except DataError:
+            raise
         except (ValueError, KeyError, TypeError) as e:
-            if isinstance(e, DataError):
-                raise
             raise bad(f"{type(e).__name__}: {e}") from None
         return bpe
 
@@ -214,14 +214,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tuple[BPE, TrainStats]:
                 delta[p] += freqs[i]
                 where[p].add(i)
         for p, d in delta.items():
-            if d == 0:
-                continue
-            count = pair_counts[p] + d
-            if count > 0:
-                pair_counts[p] = count
-                heapq.heappush(heap, (-count, *p))
-            else:
-                pair_counts.pop(p, None)
+            if d:
+                pair_counts[p] += d
+                if pair_counts[p] > 0:
+                    heapq.heappush(heap, (-pair_counts[p], *p))
+                else:
+                    del pair_counts[p]
 
     stats = TrainStats(time.perf_counter() - start, nbytes, sum(freqs), len(freqs))
     return BPE(f"bpe-{vocab_size}", PATTERN, tuple(merges)), stats

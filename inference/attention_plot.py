@@ -79,15 +79,13 @@ def plot_attention(
         ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=8)
         ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=8)
         ax.tick_params(length=0)
-        for spine in ax.spines.values():
-            spine.set_color("0.6")
+        ax.spines[:].set_color("0.6")
         if h % ncols == 0:
             ax.set_ylabel("query: the token attending")
-        if h // ncols == nrows - 1 or h + ncols >= n_head:
+        if h + ncols >= n_head:  # no panel below this one
             ax.set_xlabel("key: the token attended to")
     fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability")
     fig.suptitle(title, fontsize=13)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, facecolor="white")
     return fig

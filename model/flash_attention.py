@@ -126,9 +126,7 @@ class FlashCausalAttention(torch.autograd.Function):
         Tk = k.size(2)
         dtype = lse.dtype
         scale = 1.0 / math.sqrt(hs)
-        dq = torch.zeros_like(q, dtype=dtype)
-        dk = torch.zeros_like(k, dtype=dtype)
-        dv = torch.zeros_like(v, dtype=dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
         # D_i = sum_j P_ij dP_ij = dO_i . O_i, dropout or not: one number per row.
         D = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)  # (B, nh, Tq)
         # The forward's autocast is off again here: backward may be called under autocast.
@@ -140,12 +138,11 @@ class FlashCausalAttention(torch.autograd.Function):
                 d_i = D[:, :, q0:q1, None]  # (B, nh, bq, 1)
                 for k0, k1, straddles in key_tiles(q0, q1, Tk, q_offset, block_k):
                     kj = k[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
-                    vj = v[:, :, k0:k1].to(dtype)  # (B, nh, bk, hs)
                     s = (qi @ kj.transpose(-2, -1)) * scale  # (B, nh, bq, bk)
                     if straddles:
                         s = _masked(s, q0, k0, q_offset)
                     p = torch.exp(s - lse_i)  # the forward's softmax, recomputed
-                    dp = doi @ vj.transpose(-2, -1)  # (B, nh, bq, bk)
+                    dp = doi @ v[:, :, k0:k1].to(dtype).transpose(-2, -1)  # (B, nh, bq, bk)
                     p_used = p  # P as the forward multiplied it into V: after dropout
                     if dropout_p > 0:
                         keep = tile_keep_mask(seed, q0, k0, Tk, p.shape, dropout_p, q.device)

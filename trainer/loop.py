@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError
-from data import PreparedData, prepare_data
+from data import prepare_data
 from data.prefetch import PrefetchingSampler
 from data.sampler import BatchSampler
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
@@ -106,17 +106,6 @@ def stop_signals() -> Iterator[list[int]]:
             signal.signal(s, handler)
 
 
-def model_config_for(model_values: dict[str, Any], data: PreparedData) -> GPTConfig:
-    """The model config with `vocab_size: null` filled in from the tokenizer."""
-    vocab = model_values.get("vocab_size")
-    if vocab is not None and vocab < data.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={vocab} is smaller than the tokenizer's {data.vocab_size} tokens; "
-            "set model.vocab_size=null to use the tokenizer's size"
-        )
-    return GPTConfig.from_dict({**model_values, "vocab_size": vocab or data.vocab_size})
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
         self.cfg = cfg
@@ -126,6 +115,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.dist = DistInfo.from_env()
+        world, train = self.dist.world_size, cfg.train
         sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         if sharded and cfg.optim.name == "muon":
             raise ConfigError(
@@ -155,7 +145,7 @@ class Trainer:
             self.run_dir,
             resolved_config,
             self.data,
-            cfg.train.keep_checkpoints,
+            train.keep_checkpoints,
             self.dist,
             say=lambda text: self.progress.message(text),  # the bar exists before any save
         )
@@ -175,12 +165,7 @@ class Trainer:
         )
         block_size = self.model.config.block_size
         self.sampler = BatchSampler(
-            self.data.tokens("train"),
-            block_size,
-            cfg.train.batch_size,
-            cfg.seed,
-            self.dist.rank,
-            self.dist.world_size,
+            self.data.tokens("train"), block_size, train.batch_size, cfg.seed, self.dist.rank, world
         )
         if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
@@ -196,9 +181,8 @@ class Trainer:
             "torch_rng": FunctionState(torch.get_rng_state, torch.set_rng_state),
         }
         if self.device.type == "cuda":
-            self.stateful["cuda_rng"] = FunctionState(
-                torch.cuda.get_rng_state, torch.cuda.set_rng_state
-            )
+            cuda_rng = FunctionState(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+            self.stateful["cuda_rng"] = cuda_rng
         if self.scaler is not None:
             self.stateful["scaler"] = self.scaler
         self.resumed_from = None if resume_from is None else resume_from.path
@@ -207,7 +191,6 @@ class Trainer:
             self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
         # 6. Reporting, last: the tracker starts a wandb run, which a failure above must not
         # leave behind. Tokens/s and MFU count every rank's tokens.
-        world, train = self.dist.world_size, cfg.train
         self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size
         peak, self.peak_source = peak_flops(self.precision)
         self.peak_tokens_per_s = peak and peak * world / self.model.flops_per_token(block_size)
@@ -236,8 +219,14 @@ class Trainer:
             model = pretrained_model(cfg.train.init_from, cfg.model, self.data)
             self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
             config = model.config
-        else:
-            config = model_config_for(cfg.model, self.data)
+        else:  # `vocab_size: null` is the tokenizer's size
+            vocab, tokenizer_vocab = cfg.model.get("vocab_size"), self.data.vocab_size
+            if vocab is not None and vocab < tokenizer_vocab:
+                raise ValueError(
+                    f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_vocab} "
+                    "tokens; set model.vocab_size=null to use the tokenizer's size"
+                )
+            config = GPTConfig.from_dict({**cfg.model, "vocab_size": vocab or tokenizer_vocab})
         _, memory = check_memory(config, cfg, self.precision, shards)
         if self.dist.is_main:
             print(memory)
@@ -301,27 +290,24 @@ class Trainer:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.model, max_norm)
         verdict = self._verdict(loss_sum, grad_norm)
-        if verdict != "step":
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler:  # it lowers its scale (and must be updated after unscale_)
-                self.scaler.update()
-            if verdict == "diverged":
-                self._non_finite(loss_sum, grad_norm)
-            return loss_sum, grad_norm
-        if self.scaler:
-            self.scaler.step(self.optimizer)
+        if verdict == "step":
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        if self.scaler:  # after unscale_, on every step: a skipped one lowers its scale
             self.scaler.update()
-        else:
-            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if verdict == "diverged":
+            self._non_finite(loss_sum, grad_norm)
         return loss_sum, grad_norm
 
     def _verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
         """The step's verdict, the same on every rank. The gradient norm is the same everywhere
         (gradients are reduced), so only when it is not finite do the ranks agree on whether any
         rank's loss was: a collective on that rare step alone."""
-        health = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()  # one host read
-        loss_finite, grads_finite = health
+        # One host read for both.
+        loss_finite, grads_finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()
         if not grads_finite:
             loss_finite = not all_reduce_max([not loss_finite], self.device)[0]
         return step_verdict(loss_finite, grads_finite, scaled=self.scaler is not None)
@@ -425,8 +411,11 @@ class Trainer:
         }
         if self.peak_tokens_per_s:
             values["mfu"] = tok_s / self.peak_tokens_per_s
-        step = self.state.step
-        self.progress.update(step, values, self._eta(tok_s))
+        step, budget = self.state.step, self.cfg.train.max_seconds
+        eta = (self.cfg.train.max_steps - step) * self.tokens_per_step / tok_s
+        if budget is not None:
+            eta = min(eta, budget - self.state.elapsed)
+        self.progress.update(step, values, eta)
         self._record(
             {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
         )
@@ -446,12 +435,6 @@ class Trainer:
             f"stopped by signal {signum} at step {self.state.step}; checkpoint saved to "
             f"{path}. Resume with: {launcher} {command}",
         )
-
-    def _eta(self, tok_s: float) -> float:
-        remaining = (self.cfg.train.max_steps - self.state.step) * self.tokens_per_step / tok_s
-        if self.cfg.train.max_seconds is not None:
-            remaining = min(remaining, self.cfg.train.max_seconds - self.state.elapsed)
-        return remaining
 
     def _periodic_eval(self) -> EvalResult:
         result = self.evaluate()
@@ -478,19 +461,13 @@ class Trainer:
         opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
         params = SamplingParams(temperature=0.8, top_k=200)
+        n = self.cfg.train.sample_tokens
+        settings = dict(eot_token=eot, vocab_size=tokenizer.n_vocab)
         rows = []
         for prompt in ([eot], opening):
             idx = torch.tensor([prompt], device=self.device)
             with eval_mode(self.model), self.precision.autocast():
-                out = generate(
-                    self.model,
-                    idx,
-                    self.cfg.train.sample_tokens,
-                    params,
-                    generator,
-                    eot_token=eot,
-                    vocab_size=tokenizer.n_vocab,
-                )
+                out = generate(self.model, idx, n, params, generator, **settings)
             new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
             rows.append((tokenizer.decode([t for t in prompt if t != eot]), tokenizer.decode(new)))
         return rows
