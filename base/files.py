@@ -40,12 +40,17 @@ def fsync(path: str | Path) -> None:
         os.close(fd)
 
 
+def temporary(path: Path) -> Path:
+    """This process's temporary name for `path`'s new content: `.<name>.tmp-<pid>`."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write `path`'s new content to; when the block succeeds it is
     fsynced and renamed to `path`, when it fails it is deleted."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     try:
         yield tmp
         fsync(tmp)
@@ -91,9 +96,9 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], object]) -> None:
     old = aside(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_swap(path)  # before anything could delete `old`, maybe the only complete copy
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash mid-write
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # any process's, left by a crash
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     tmp.mkdir()
     try:
         fill(tmp)

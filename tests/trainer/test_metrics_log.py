@@ -11,6 +11,15 @@ from tests.trainer.helpers import make_trainer
 from trainer.metrics_log import METRICS_FILE, PLOT_FILE, MetricsLog, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Step 2's row as log_steps logs it (100 tokens per step): training values and its evaluation.
+STEP_2_ROW = {
+    "step": 2,
+    "tokens": 200,
+    "train_loss": 8.0,
+    "train_lr": 1e-3,
+    "val_loss": 9.0,
+    "val_bpb": 3.0,
+}
 
 
 def log_steps(log: MetricsLog, steps: range) -> None:
@@ -27,14 +36,7 @@ def test_one_row_per_step_with_its_evaluation_written_when_the_next_step_begins(
     log.close()
     rows = read_metrics(tmp_path / METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[1] == {
-        "step": 2,
-        "tokens": 200,
-        "train_loss": 8.0,
-        "train_lr": 1e-3,
-        "val_loss": 9.0,
-        "val_bpb": 3.0,
-    }
+    assert rows[1] == STEP_2_ROW
     assert "val_loss" not in rows[2]
 
 
@@ -126,11 +128,4 @@ def test_the_plot_includes_the_pending_row(tmp_path, monkeypatch):
     log.plot()
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1]
     (rows,) = drawn
-    assert rows[-1] == {
-        "step": 2,
-        "tokens": 200,
-        "train_loss": 8.0,
-        "train_lr": 1e-3,
-        "val_loss": 9.0,
-        "val_bpb": 3.0,
-    }
+    assert rows[-1] == STEP_2_ROW
