@@ -1,4 +1,5 @@
-"""Evaluate a checkpoint: `python evaluate.py checkpoint=<dir> [text_file=<path>] [stride=N]`."""
+"""Evaluate a checkpoint: `python evaluate.py checkpoint=<dir> [text_file=<path>] [stride=N]`, or
+on downstream tasks: `python evaluate.py checkpoint=<dir> task=hellaswag` (configs/task/)."""
 
 import json
 
@@ -12,11 +13,9 @@ from trainer.evaluation import evaluate_checkpoint
 @hydra_main("evaluate")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        result = evaluate_checkpoint(OmegaConf.to_container(cfg, resolve=True))
-    print(
-        f"{result['data']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes, "
-        f"{result['method']} of {result['block_size']}"
-    )
+        result = evaluate_checkpoint(OmegaConf.to_container(cfg, resolve=True), say=print)
+    if "tasks" not in result:
+        print(f"loss {result['loss']:.4f}, bpb {result['bpb']:.4f}")
     print(json.dumps(result))
 
 

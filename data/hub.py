@@ -29,22 +29,30 @@ def identity(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": file_stats(local)}
 
 
-def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
-    """One split with a single ``text`` column, capped at ``max_documents`` if set."""
+def load_dataset(
+    path: str, subset: str | None, split: str, **kwargs: Any
+) -> datasets.Dataset | datasets.IterableDataset:
+    """`datasets.load_dataset`, with any failure (offline, unknown repo or split, unreadable
+    file: many exception types) as one DataError line."""
     try:
-        ds = datasets.load_dataset(
-            cfg["path"],
-            cfg.get("subset"),
-            split=split,
-            streaming=bool(cfg.get("streaming", False)),
-            data_files=cfg.get("data_files"),
-        )
-    except Exception as e:  # offline, unknown repo, bad split: many exception types
+        return datasets.load_dataset(path, subset, split=split, **kwargs)
+    except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise DataError(
-            f"could not load {cfg['path']!r} (subset={cfg.get('subset')}, split={split}): "
+            f"could not load {path!r} (subset={subset}, split={split}): "
             f"{type(e).__name__}: {first_line}; check the name and network access"
         ) from e
+
+
+def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
+    """One split with a single ``text`` column, capped at ``max_documents`` if set."""
+    ds = load_dataset(
+        cfg["path"],
+        cfg.get("subset"),
+        split,
+        streaming=bool(cfg.get("streaming", False)),
+        data_files=cfg.get("data_files"),
+    )
     field = cfg.get("text_field", "text")
     if ds.column_names is not None and field not in ds.column_names:
         raise DataError(

@@ -7,9 +7,14 @@ import sys
 from tqdm import tqdm
 
 
+FORMATS = {"tok/s": "{:,.0f}", "mfu": "{:.1%}"}  # the rest: 4 significant digits
+
+
 def format_metrics(values: dict[str, float]) -> str:
+    """`loss 4.795 tok/s 13,960 mfu 46.6%`: tokens per second in whole tokens, MFU in percent."""
     return " ".join(
-        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
+        f"{k} {FORMATS.get(k, '{:.4g}').format(v)}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in values.items()
     )
 
 
@@ -31,7 +36,7 @@ def format_bytes(n: float) -> str:
 class Progress:
     """Shows training progress; `enabled=False` (non-zero ranks) prints nothing."""
 
-    def __init__(self, total: int, initial: int, enabled: bool = True):
+    def __init__(self, total: int | None, initial: int, enabled: bool = True):
         self.enabled = enabled
         self.bar = None
         if enabled and sys.stdout.isatty():
@@ -56,3 +61,28 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class Counter:
+    """Progress through `total` units (evaluation's tokens or items), told the count done so
+    far: a bar on a terminal, otherwise a line at each tenth (logs, CI, pipes)."""
+
+    def __init__(self, total: int, unit: str):
+        self.total, self.unit, self.tenths = max(total, 1), unit, 0
+        self.bar = None
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=total, unit=unit, dynamic_ncols=True, leave=False)
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        elif done * 10 // self.total > self.tenths:
+            self.tenths = done * 10 // self.total
+            print(f"{done:,} of {self.total:,} {self.unit}s", flush=True)
+
+    def __enter__(self) -> Counter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

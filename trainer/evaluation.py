@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,9 @@ from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
 from data.text_files import read_utf8
 from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
+from trainer.console import Counter
 from trainer.distributed import all_reduce_sum, in_lockstep
+from trainer.tasks import load_task, requested_tasks, score_task, task_line
 
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
 # forwards as many windows as keep them under this many (1 GB), whatever the batch size.
@@ -74,13 +76,15 @@ def evaluate(
     stride: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Loss over `tokens` in windows of block_size: by default non-overlapping windows (see
     `data.iter_eval_batches`) over the whole split, or with max_batches the same evenly spaced
     subset on every call, so successive periodic evaluations are comparable. With `stride`,
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
     the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
-    its share of the windows and every rank returns the totals over all ranks."""
+    its share of the windows and every rank returns the totals over all ranks. `progress(n)` is
+    told the number of tokens this rank has scored after each batch."""
     block_size = model.config.block_size
     rows = max(1, min(batch_size, MAX_LOGITS // (block_size * model.config.vocab_size)))
     if stride is None:
@@ -100,6 +104,8 @@ def evaluate(
                 continue
             batch_loss, scored = loss.item(), int((y != -1).sum())
             stats += torch.tensor([batch_loss * scored, scored, 1, batch_loss, batch_loss**2])
+            if progress is not None:
+                progress(int(stats[1]))
     nats, scored, n, loss_sum, loss_sq_sum = all_reduce_sum(stats.tolist(), precision.device)
     mean = nats / scored
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
@@ -111,14 +117,27 @@ def evaluate(
     )
 
 
-def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def evaluate_checkpoint(
+    cfg: Mapping[str, Any], say: Callable[[str], None] = print
+) -> dict[str, Any]:
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
-    split, or on any UTF-8 `text_file`. See configs/evaluate.yaml for the keys."""
+    split or on any UTF-8 `text_file`, or its downstream task metrics. See configs/evaluate.yaml
+    for the keys; `say` shows the plan, and each task's result as it comes."""
     source = cfg["checkpoint"]
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     ckpt = load_source(find_checkpoint(None) if source is None else source, device)
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
+    if task_cfgs := requested_tasks(cfg["task"], cfg["tasks"]):
+        results = {}
+        for task_cfg in task_cfgs:
+            task = load_task(task_cfg, tokenizer, ckpt.model.config.block_size)
+            where = task_cfg["data_files"] or task_cfg["path"]
+            say(f"{task.name}: {len(task.items):,} items from {where}")
+            with Counter(len(task.items), "item") as counter:
+                results[task.name] = score_task(ckpt.model, task, precision, progress=counter)
+            say(task_line(task.name, results[task.name]))
+        return {"checkpoint": str(ckpt.path), "tasks": results}
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
         text = read_utf8(file, "text_file")
@@ -141,10 +160,14 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
     stride, block_size = cfg["stride"], ckpt.model.config.block_size
     ok = stride is None or (is_int(stride, 1) and stride <= block_size)
     check("stride", stride, ok, "null or an integer in [1, block_size]")
+    method = f"sliding windows, stride {stride}" if stride else "non-overlapping windows"
+    say(f"{source}: {len(tokens) - 1:,} tokens, {nbytes:,} bytes, {method} of {block_size}")
     # Every token but the first is predicted, and together they span all the bytes.
-    result = evaluate(
-        ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision, stride=stride
-    )
+    with Counter(len(tokens) - 1, "tok") as counter:
+        result = evaluate(
+            ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision,
+            stride=stride, progress=counter,
+        )  # fmt: skip
     return {
         "checkpoint": str(ckpt.path),
         "data": source,
@@ -153,5 +176,5 @@ def evaluate_checkpoint(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "tokens": result.tokens,
         "bytes": nbytes,
         "block_size": block_size,
-        "method": f"sliding windows, stride {stride}" if stride else "non-overlapping windows",
+        "method": method,
     }

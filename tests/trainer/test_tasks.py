@@ -1,0 +1,292 @@
+"""Downstream tasks: items built and tokenized as lm-evaluation-harness builds them, scores equal
+to a direct forward of each whole sequence, metrics as the harness aggregates them, and one
+`error:` line for every kind of bad task input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from base.errors import ConfigError
+from data import DataError
+from data.tokenizer import get_tokenizer
+from hardware.device import Precision
+from model import GPT
+from tests.conftest import tiny_config
+from tests.trainer.helpers import run_script
+from trainer.tasks import (
+    encode_pair,
+    load_task,
+    requested_tasks,
+    score_choices,
+    score_task,
+    task_config,
+)
+
+CPU = Precision(torch.device("cpu"), torch.float32)
+GPT2 = get_tokenizer("gpt2")
+
+# Items in each hub dataset's own fields: Rowan/hellaswag, allenai/ai2_arc,
+# EleutherAI/lambada_openai.
+HELLASWAG = [
+    {
+        "ind": 24, "activity_label": "Roof shingle removal",
+        "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+        "ctx": "A man is sitting on a roof. he",
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+        "source_id": "activitynet~v_-JhWjGDPHMY", "split": "val", "split_type": "indomain",
+        "label": "3",
+    },
+    {
+        "ind": 92, "activity_label": "Personal Care and Style",
+        "ctx_a": "[header] How to dye your hair with kool aid [title] Choose a color.",
+        "ctx_b": "",
+        "ctx": "[header] How to dye your hair with kool aid [title] Choose a color.",
+        "endings": [
+            "[step] Kool aid comes in many flavors and colors.",
+            "[title] Wash your hair the night before.",
+            "You can buy kool aid at any store.",
+            "[substeps] Pick a bright shade.",
+        ],
+        "source_id": "wikihow~12", "split": "val", "split_type": "zeroshot", "label": "0",
+    },
+    {
+        "ind": 7, "activity_label": "Clean and jerk",
+        "ctx_a": "A lady walks to a barbell. She bends down and grabs the pole.",
+        "ctx_b": "the lady",
+        "ctx": "A lady walks to a barbell. She bends down and grabs the pole. the lady",
+        "endings": [
+            "swings and lands in her arms.",
+            "pulls the barbell forward.",
+            "pulls a rope attached to the barbell.",
+            "stands and lifts the weight over her head.",
+        ],
+        "source_id": "activitynet~v_-lJS58hyo1c", "split": "val", "split_type": "zeroshot",
+        "label": "3",
+    },
+]  # fmt: skip
+ARC = [
+    {
+        "id": "Mercury_7175875",
+        "question": "An astronomer observes that a planet rotates faster after a meteorite "
+        "impact. Which is the most likely effect of this increase in rotation?",
+        "choices": {
+            "text": [
+                "Planetary density will decrease.",
+                "Planetary years will become longer.",
+                "Planetary days will become shorter.",
+                "Planetary gravity will become stronger.",
+            ],
+            "label": ["A", "B", "C", "D"],
+        },
+        "answerKey": "C",
+    },
+    {
+        "id": "MCAS_2000_4_6",
+        "question": "Which technology was developed most recently?",
+        "choices": {
+            "text": ["cellular telephone", "television", "refrigerator"],
+            "label": ["1", "2", "3"],
+        },
+        "answerKey": "1",
+    },
+]
+LAMBADA = [
+    {"text": "In my palm is a clear stone, and inside it is a small ivory statuette. A guardian "
+     "angel. \"Figured if you're going to be out at night getting hit by cars, you might as "
+     "well have some backup.\" I look at him, feeling stunned. Like this is some sort of sign. "
+     "But as I stare at Harlin, his mouth curved in a confident grin, I don't care about signs"},
+    {"text": "Give me a minute to change and I'll meet you at the docks.\" She'd forced those "
+     "words through her teeth. \"No need to change. We won't be that long.\" Shane gripped her "
+     "arm and started leading her to the dock"},
+]  # fmt: skip
+TASKS = {"hellaswag": HELLASWAG, "arc_easy": ARC, "lambada": LAMBADA}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def local_task(tmp_path: Path, name: str, rows: list[dict] | None = None) -> dict:
+    file = write_jsonl(tmp_path / f"{name}.jsonl", TASKS[name] if rows is None else rows)
+    return {**task_config(name), "data_files": str(file)}
+
+
+def model_for(block_size: int = 64, **overrides) -> GPT:
+    torch.manual_seed(0)
+    return GPT(tiny_config(vocab_size=GPT2.n_vocab, block_size=block_size, **overrides)).eval()
+
+
+def test_items_are_the_harness_prompts(tmp_path):
+    hellaswag = load_task(local_task(tmp_path, "hellaswag"), GPT2, 64)
+    arc = load_task(local_task(tmp_path, "arc_easy"), GPT2, 64)
+    lambada = load_task(local_task(tmp_path, "lambada"), GPT2, 64)
+    decode = GPT2.decode
+    # "<activity_label>: <ctx_a> <Ctx_b>"; WikiHow's " [title]" becomes ". ", other brackets go.
+    assert (
+        decode(hellaswag.items[0].context) == "Roof shingle removal: A man is sitting on a roof. He"
+    )
+    assert decode(hellaswag.items[1].context) == (
+        "Personal Care and Style: How to dye your hair with kool aid. Choose a color."
+    )
+    # An ending that starts with a bracket keeps the space after it (the harness's quirk).
+    assert [decode(c) for c in hellaswag.items[1].choices] == [
+        "  Kool aid comes in many flavors and colors.",
+        "  Wash your hair the night before.",
+        " You can buy kool aid at any store.",
+        "  Pick a bright shade.",
+    ]
+    assert [i.gold for i in hellaswag.items] == [3, 0, 3]
+    assert decode(arc.items[0].context).endswith("increase in rotation?\nAnswer:")
+    assert decode(arc.items[0].context).startswith("Question: An astronomer")
+    assert [i.gold for i in arc.items] == [2, 0]
+    assert len(arc.items[1].choices) == 3
+    assert decode(lambada.items[0].choices[0]) == " signs"  # the last word, after its space
+    assert decode(lambada.items[1].context).endswith("leading her to the")
+    # acc_norm divides by the choice's characters, without the delimiter
+    assert arc.items[1].chars == [len("cellular telephone"), len("television"), len("refrigerator")]
+
+
+def test_pairs_are_encoded_whole_and_split_where_the_context_ends():
+    # Trailing spaces move to the continuation: the whole pair's tokens after the context's.
+    assert encode_pair(GPT2, "Answer: ", "yes") == (GPT2.encode("Answer:"), GPT2.encode("  yes"))
+    assert encode_pair(GPT2, "", "yes") == ([GPT2.eot_token], GPT2.encode(" yes"))
+    ctx, cont = encode_pair(GPT2, "It was 19", "99")  # the digits would merge: split after ctx
+    assert ctx == GPT2.encode("It was 19") and ctx + cont == GPT2.encode("It was 19 99")
+
+
+def direct_scores(model: GPT, item) -> tuple[list[float], list[bool]]:
+    """Each choice scored by one plain forward of its whole sequence, cut to block_size + 1."""
+    lls, greedy = [], []
+    for c in item.choices:
+        seq = torch.tensor((item.context + c)[-(model.config.block_size + 1) :])
+        logits, _ = model(seq[None, :-1])
+        logprobs = F.log_softmax(logits[0, -len(c) :], dim=-1)
+        lls.append(logprobs.gather(1, torch.tensor(c)[:, None]).sum().item())
+        greedy.append(logprobs.argmax(-1).tolist() == c)
+    return lls, greedy
+
+
+@pytest.mark.parametrize("block_size", [64, 20])  # 20: contexts cut, each choice differently
+@pytest.mark.parametrize("options", [{}, {"pos_embedding": "rope", "attention": "sdpa"}])
+@pytest.mark.parametrize("name", list(TASKS))
+def test_scores_equal_a_direct_forward_of_each_whole_sequence(tmp_path, name, block_size, options):
+    model = model_for(block_size, **options)
+    task = load_task(local_task(tmp_path, name), GPT2, block_size)
+    expected = {"acc": 0.0, "acc_norm": 0.0, "ll": 0.0}
+    for item in task.items:
+        lls, greedy = score_choices(model, item, CPU)
+        want_lls, want_greedy = direct_scores(model, item)
+        assert lls == pytest.approx(want_lls, abs=1e-4)
+        assert greedy == want_greedy
+        norm = [ll / n for ll, n in zip(want_lls, item.chars, strict=True)]
+        hit = want_greedy[0] if name == "lambada" else want_lls.index(max(want_lls)) == item.gold
+        expected["acc"] += hit / len(task.items)
+        expected["acc_norm"] += (norm.index(max(norm)) == item.gold) / len(task.items)
+        expected["ll"] += want_lls[item.gold] / len(task.items)
+    metrics = score_task(model, task, CPU)
+    assert metrics["items"] == len(task.items)
+    assert metrics["acc"] == pytest.approx(expected["acc"])
+    p, n = expected["acc"], len(task.items)
+    assert metrics["acc_stderr"] == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)))
+    if name == "lambada":
+        assert metrics["perplexity"] == pytest.approx(math.exp(-expected["ll"]), rel=1e-4)
+    else:
+        assert metrics["acc_norm"] == pytest.approx(expected["acc_norm"])
+
+
+def test_a_trained_preference_is_found(tmp_path):
+    """A model that always predicts token t: the one choice made of t alone wins acc and acc."""
+    model = model_for()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[GPT2.encode(" the")[0]] = 1.0
+        model.transformer.ln_f.weight.fill_(0.0)
+        model.transformer.ln_f.bias.fill_(1.0)  # every position's hidden state is all ones
+    rows = [{**ARC[1], "choices": {"text": ["cat", "the", "dog"], "label": ["1", "2", "3"]},
+             "answerKey": "2"}]  # fmt: skip
+    metrics = score_task(model, load_task(local_task(tmp_path, "arc_easy", rows), GPT2, 64), CPU)
+    assert metrics["acc"] == 1.0 and metrics["acc_norm"] == 1.0
+
+
+def test_limit_and_the_task_list():
+    cfgs = requested_tasks({"limit": 7}, ["arc_easy", "lambada"])
+    assert [c["name"] for c in cfgs] == ["arc_easy", "lambada"]
+    assert all(c["limit"] == 7 for c in cfgs)
+    one = {**task_config("hellaswag"), "limit": 3}
+    assert requested_tasks(one, []) == [one]
+
+
+@pytest.mark.parametrize(
+    "name, rows, message",
+    [
+        ("hellaswag", [{**HELLASWAG[0], "endings": None}], "item 0 is malformed"),
+        ("arc_easy", [{k: v for k, v in ARC[0].items() if k != "question"}], "no field question"),
+        ("hellaswag", [{**HELLASWAG[0], "label": "4"}], "label 4, out of range for 4 choices"),
+        ("hellaswag", [{**HELLASWAG[0], "label": ""}], "item 0 is malformed"),
+        ("arc_easy", [{**ARC[0], "answerKey": "E"}], "item 0 is malformed"),
+    ],
+)  # fmt: skip
+def test_bad_items_are_named(tmp_path, name, rows, message):
+    with pytest.raises(DataError, match=message):
+        load_task(local_task(tmp_path, name, rows), GPT2, 64)
+
+
+def test_a_choice_longer_than_the_block_is_refused(tmp_path):
+    with pytest.raises(
+        DataError, match="item 0 has a choice of 11 tokens, more than the model.s block_size 8"
+    ):
+        load_task(local_task(tmp_path, "hellaswag"), GPT2, 8)
+
+
+def test_an_unknown_task_names_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown task 'hellaswagg'; choose one of: arc_easy"):
+        task_config("hellaswagg")
+
+
+def test_evaluate_py_scores_a_task(tmp_path, hf_gpt2_dir):
+    file = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    args = [
+        f"checkpoint={hf_gpt2_dir}",
+        "task=hellaswag",
+        f"task.data_files={file}",
+        "task.limit=2",
+    ]
+    done = run_script("evaluate.py", *args, "device=cpu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"hellaswag: 2 items from {file}"  # the plan, before the work
+    assert "2 of 2 items" in lines  # progress as plain lines off a terminal
+    assert lines[-2].startswith("hellaswag: acc ") and "±" in lines[-2]
+    assert lines[-2].endswith("(2 items)")
+    result = json.loads(lines[-1])["tasks"]["hellaswag"]
+    assert result["items"] == 2 and set(result) >= {"acc", "acc_stderr", "acc_norm"}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["task=nope"], "task=nope is not in configs/task/"),
+        (["tasks=[nope]"], "unknown task 'nope'"),
+        (["task=arc_easy", "task.data_files={bad}"], "the items have no field question"),
+    ],
+)
+def test_evaluate_py_refuses_bad_tasks_in_one_line(tmp_path, hf_gpt2_dir, args, message):
+    bad = write_jsonl(tmp_path / "bad.jsonl", LAMBADA)
+    args = [a.format(bad=bad) for a in args]
+    done = run_script("evaluate.py", f"checkpoint={hf_gpt2_dir}", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.count("error:") == 1 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing written

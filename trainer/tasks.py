@@ -1,0 +1,257 @@
+"""Downstream tasks (HellaSwag, ARC-Easy, LAMBADA) scored as lm-evaluation-harness scores them.
+
+Each item is a context and one or more choices; a choice's score is the sum of its tokens'
+log-probabilities after the context, tokenized as the harness's `_encode_pair` does (the pair
+encoded whole and split where the context's tokens end; trailing spaces move to the choice).
+Multiple choice reports `acc` (the highest sum is the gold choice) and `acc_norm` (the sum divided
+by the choice's length in characters); LAMBADA the greedy accuracy of its last word and the
+perplexity exp(-mean log-likelihood). Sequences longer than block_size + 1 are cut from the left.
+
+Faster than the harness on the same work: the context runs once, and every choice continues
+from a copy of its KV cache in one batch (the causal mask makes this exact).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+import torch
+import torch.nn.functional as F
+import yaml
+
+from base.errors import ConfigError
+from data.errors import DataError
+from data.hub import load_dataset
+from hardware.device import Precision
+from model import GPT, eval_mode
+from trainer.distributed import all_reduce_sum, in_lockstep
+
+TASKS_DIR = Path(__file__).resolve().parent.parent / "configs" / "task"
+
+
+def _clean(text: str) -> str:
+    """The harness's HellaSwag preprocessing: WikiHow's bracketed artifacts go."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub("\\[.*?\\]", "", text).replace("  ", " ")
+
+
+def _hellaswag(doc: dict[str, Any]) -> tuple[str, list[str], int]:
+    ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+    return (
+        _clean(doc["activity_label"] + ": " + ctx),
+        [_clean(e) for e in doc["endings"]],
+        int(doc["label"]),
+    )
+
+
+def _arc(doc: dict[str, Any]) -> tuple[str, list[str], int]:
+    choices = doc["choices"]
+    return (
+        f"Question: {doc['question']}\nAnswer:",
+        choices["text"],
+        choices["label"].index(doc["answerKey"]),
+    )
+
+
+def _lambada(doc: dict[str, Any]) -> tuple[str, list[str], int]:
+    *context, word = doc["text"].split(" ")
+    return " ".join(context), [word], 0
+
+
+# format: (the fields an item needs, how it becomes (context, choices, gold)); each choice is
+# scored as " " + choice, the harness's target delimiter (LAMBADA's target carries the same space).
+FORMATS: dict[
+    str, tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[str, list[str], int]]]
+] = {
+    "hellaswag": (("activity_label", "ctx_a", "ctx_b", "endings", "label"), _hellaswag),
+    "arc": (("question", "choices", "answerKey"), _arc),
+    "lambada": (("text",), _lambada),
+}
+
+
+@dataclass
+class Item:
+    context: list[int]  # token ids, shared by every choice
+    choices: list[list[int]]  # each choice's token ids
+    chars: list[int]  # each choice's length in characters, for acc_norm
+    gold: int
+
+
+@dataclass
+class Task:
+    name: str
+    format: str
+    items: list[Item]
+
+
+def task_config(name: str) -> dict[str, Any]:
+    """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
+    path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
+    return yaml.safe_load(path.read_text())
+
+
+def encode_pair(
+    tokenizer: tiktoken.Encoding, context: str, choice: str
+) -> tuple[list[int], list[int]]:
+    """The harness's tokenization of (context, " " + choice): trailing spaces move to the choice,
+    and the choice's tokens are the whole pair's after the context's own; an empty context is
+    the end-of-text token."""
+    cont = " " + choice
+    if context == "":
+        return [tokenizer.eot_token], tokenizer.encode_ordinary(cont)
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, cont = context[:-spaces], context[-spaces:] + cont
+    ctx = tokenizer.encode_ordinary(context)
+    return ctx, tokenizer.encode_ordinary(context + cont)[len(ctx) :]
+
+
+def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int) -> Task:
+    """A task's first `limit` items, tokenized. With `data_files`, a local .jsonl, .json or
+    .parquet file in the hub dataset's fields goes through the same `datasets.load_dataset`."""
+    name, fmt = cfg["name"], cfg["format"]
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"task {name}: unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}"
+        )
+    fields, build = FORMATS[fmt]
+    path, split, files = cfg["path"], cfg["split"], cfg.get("data_files")
+    if files:
+        suffix = Path(files).suffix
+        path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix, suffix[1:])
+        files = {split: str(Path(files).expanduser())}
+    ds = load_dataset(
+        path, None if cfg.get("data_files") else cfg.get("subset"), split, data_files=files
+    )
+    if missing := [f for f in fields if f not in ds.column_names]:
+        raise DataError(
+            f"task {name}: the items have no field {', '.join(missing)} "
+            f"(they have: {', '.join(ds.column_names)})"
+        )
+    if cfg.get("limit") is not None:
+        ds = ds.select(range(min(int(cfg["limit"]), len(ds))))
+    items = []
+    for i, doc in enumerate(ds):
+        try:
+            context, choices, gold = build(doc)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"task {name}: item {i} is malformed ({type(e).__name__}: {e})") from e
+        if not 0 <= gold < len(choices):
+            raise DataError(
+                f"task {name}: item {i} has label {gold}, out of range for {len(choices)} choices"
+            )
+        pairs = [encode_pair(tokenizer, context, c) for c in choices]
+        if (longest := max(len(c) for _, c in pairs)) > block_size:
+            raise DataError(
+                f"task {name}: item {i} has a choice of {longest} tokens, more than the model's "
+                f"block_size {block_size} can score"
+            )
+        items.append(Item(pairs[0][0], [c for _, c in pairs], [len(c) for c in choices], gold))
+    return Task(name, fmt, items)
+
+
+def score_choices(model: GPT, item: Item, precision: Precision) -> tuple[list[float], list[bool]]:
+    """Each choice's log-likelihood after the context, and whether greedy decoding would have
+    produced it. Two forwards whatever the item (so FSDP ranks stay in step): the prefix the
+    choices' inputs share, once (or each input's first token where they share none, after a cut),
+    then the rest of every input as one padded batch, continuing from the prefix's KV cache."""
+    T = model.config.block_size
+    seqs = [(item.context + c)[-(T + 1) :] for c in item.choices]  # cut from the left
+    inputs, n = [s[:-1] for s in seqs], len(seqs)
+    # The prefix the inputs share, up to the first scored position, leaving a token to batch.
+    first_scored = min(len(x) - len(c) for x, c in zip(inputs, item.choices, strict=True))
+    p = min(len(os.path.commonprefix(inputs)), first_scored + 1, max(map(len, inputs)) - 1)
+    shared = p > 0
+    prefix = [inputs[0][:p]] if shared else [x[:1] for x in inputs]
+    p = max(p, 1)
+    device = precision.device
+    cache = model.new_kv_cache(len(prefix), max(map(len, inputs)))
+    with precision.autocast():
+        h = model.hidden_states(torch.tensor(prefix, device=device), cache)  # (1 or n, p, C)
+        first = model.logits(h[:, -1:]).expand(n, -1, -1)  # predicts each input's position p
+        if shared:  # every choice continues from its own copy of the prefix's keys and values
+            cache.k, cache.v = cache.k.repeat(1, n, 1, 1, 1), cache.v.repeat(1, n, 1, 1, 1)
+        width = max(len(x) for x in inputs) - p
+        rest = torch.tensor([x[p:] + [0] * (width - len(x) + p) for x in inputs], device=device)
+        logits = torch.cat([first, model.logits(model.hidden_states(rest, cache))], dim=1)
+    logprobs = F.log_softmax(logits.float(), dim=-1)  # (n, 1 + width, vocab): targets from p
+    lls, greedy = [], []
+    for i, (s, c) in enumerate(zip(seqs, item.choices, strict=True)):
+        k = len(s) - p  # targets s[p:]; the choice's are the last len(c)
+        scored = logprobs[i, k - len(c) : k]  # (len(c), vocab)
+        target = torch.tensor(c, device=device)
+        lls.append(scored.gather(1, target[:, None]).sum().item())
+        greedy.append(bool((scored.argmax(-1) == target).all()))
+    return lls, greedy
+
+
+@torch.no_grad()
+def score_task(
+    model: GPT,
+    task: Task,
+    precision: Precision,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """The task's metrics over all its items; under torchrun each rank scores every
+    world_size-th item and the counts are summed, so every rank returns the same metrics.
+    `progress(k)` is called after each item with the number this rank has scored."""
+    totals = torch.zeros(4, dtype=torch.float64)  # items, acc, acc_norm, sum of log-likelihoods
+    with eval_mode(model):
+        mine = task.items[rank::world_size]
+        for k, (item, scores) in enumerate(in_lockstep(mine, task.items[0], precision.device), 1):
+            lls, greedy = score_choices(model, item, precision)
+            if not scores:
+                continue
+            norm = [ll / n for ll, n in zip(lls, item.chars, strict=True)]
+            best = max(range(len(lls)), key=lls.__getitem__)  # the first of equals, as np.argmax
+            best_norm = max(range(len(norm)), key=norm.__getitem__)
+            hit = greedy[0] if task.format == "lambada" else best == item.gold
+            totals += torch.tensor(
+                [1, hit, best_norm == item.gold, lls[item.gold]], dtype=torch.float64
+            )
+            if progress is not None:
+                progress(k)
+    n, acc, acc_norm, ll = all_reduce_sum(totals.tolist(), precision.device)
+
+    def with_stderr(name: str, hits: float) -> dict[str, float]:
+        p = hits / n  # the harness's stderr: the sample standard deviation over sqrt(n)
+        return {
+            name: p,
+            f"{name}_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"),
+        }
+
+    if task.format == "lambada":
+        return {**with_stderr("acc", acc), "perplexity": math.exp(-ll / n), "items": int(n)}
+    return {**with_stderr("acc", acc), **with_stderr("acc_norm", acc_norm), "items": int(n)}
+
+
+def requested_tasks(task: dict[str, Any] | None, names: list[str]) -> list[dict[str, Any]]:
+    """evaluate.py's `task=<name>` (with its task.* overrides) then `tasks=[...]` by name, each
+    with task.limit."""
+    task = task or {}
+    chosen = [task] if "name" in task else []
+    return chosen + [{**task_config(n), "limit": task.get("limit")} for n in names]
+
+
+def task_line(name: str, metrics: dict[str, float]) -> str:
+    """'hellaswag: acc 0.2892 ± 0.0045, acc_norm 0.3114 ± 0.0046 (10,042 items)'."""
+    parts = [
+        f"{k} {metrics[k]:.4f} ± {metrics[k + '_stderr']:.4f}"
+        for k in ("acc", "acc_norm")
+        if k in metrics
+    ]
+    if "perplexity" in metrics:
+        parts.append(f"perplexity {metrics['perplexity']:.2f}")
+    return f"{name}: {', '.join(parts)} ({metrics['items']:,} items)"
