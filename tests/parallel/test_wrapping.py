@@ -13,8 +13,10 @@ from inference import SamplingParams, generate
 from inference.decoding import decodes_from_a_copy
 from model import GPT
 from tests.conftest import tiny_config
+from tests.trainer.test_tasks import CPU, GPT2, local_task, model_for
 from trainer import distributed
 from trainer.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
+from trainer.tasks import load_task, score_task
 
 TWO_RANKS = DistInfo(rank=0, local_rank=0, world_size=2)  # `enabled`: wrap as under torchrun
 
@@ -57,6 +59,14 @@ def test_an_fsdp_model_generates_from_itself_the_plain_models_tokens(group):
     assert decodes_from_a_copy(plain) and not decodes_from_a_copy(model)  # shards: no copy
     prompt, greedy = torch.tensor([[1, 2, 3]]), SamplingParams(temperature=0)
     assert torch.equal(generate(model, prompt, 20, greedy), generate(plain, prompt, 20, greedy))
+
+
+def test_an_fsdp_model_scores_a_task_as_the_plain_model(group, tmp_path):
+    """Task scoring runs hidden_states and logits, FSDP's registered forward methods."""
+    model = model_for()
+    sharded = wrap_model(copy.deepcopy(model), "fsdp", TWO_RANKS, torch.device("cpu"))
+    task = load_task(local_task(tmp_path, "hellaswag"), GPT2, 64)
+    assert score_task(sharded, task, CPU) == score_task(model, task, CPU)
 
 
 def test_fsdp_compiles_each_block_not_the_sharded_whole(group, monkeypatch):
