@@ -123,9 +123,10 @@ def local_task(tmp_path: Path, name: str, rows: list[dict] | None = None) -> dic
     return {**task_config(name), "data_files": str(file)}
 
 
-def model_for(block_size: int = 64, **overrides) -> GPT:
+def model_for(block_size: int = 64, tokenizer=GPT2, **overrides) -> GPT:
     torch.manual_seed(0)
-    return GPT(tiny_config(vocab_size=GPT2.n_vocab, block_size=block_size, **overrides)).eval()
+    config = tiny_config(vocab_size=tokenizer.n_vocab, block_size=block_size, **overrides)
+    return GPT(config).eval()
 
 
 def test_items_are_the_harness_prompts(tmp_path):
@@ -178,12 +179,15 @@ def direct_scores(model: GPT, item) -> tuple[list[float], list[bool]]:
     return lls, greedy
 
 
-@pytest.mark.parametrize("block_size", [64, 20])  # 20: contexts cut, each choice differently
+# The smaller blocks cut the contexts, each choice's differently.
+@pytest.mark.parametrize("tokenizer, block_size", [("gpt2", 64), ("gpt2", 20), ("bytes", 64)])
 @pytest.mark.parametrize("options", [{}, {"pos_embedding": "rope", "attention": "sdpa"}])
 @pytest.mark.parametrize("name", list(TASKS))
-def test_scores_equal_a_direct_forward_of_each_whole_sequence(tmp_path, name, block_size, options):
-    model = model_for(block_size, **options)
-    task = load_task(local_task(tmp_path, name), GPT2, block_size)
+def test_scores_equal_a_direct_forward_of_each_whole_sequence(
+    tmp_path, name, tokenizer, block_size, options
+):
+    model = model_for(block_size, get_tokenizer(tokenizer), **options)
+    task = load_task(local_task(tmp_path, name), get_tokenizer(tokenizer), block_size)
     expected = {"acc": 0.0, "acc_norm": 0.0, "ll": 0.0}
     for item in task.items:
         lls, greedy = score_choices(model, item, CPU)
