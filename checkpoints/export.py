@@ -2,8 +2,9 @@
 
     config.json, model.safetensors         GPT2LMHeadModel (GPT-2's architecture) or
                                            LlamaForCausalLM (rope + rmsnorm + swiglu)
-    vocab.json, merges.txt,                GPT-2's tokenizer (AutoTokenizer: the same ids as
-    tokenizer_config.json                  tiktoken's gpt2)
+    generation_config.json                 generation stops at block_size (n_positions)
+    tokenizer.json, tokenizer_config.json  the model's tokenizer (gpt2, bytes or bpe-<N>) as
+                                           a fast tokenizer: the same ids as ours
     README.md                              a model card: data, steps, validation bpb
 
 Only exact equivalents are exported: each mapping computes the same logits as our model (tests
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
+import tiktoken
 import torch
 from safetensors.torch import save_file
 
@@ -30,13 +31,16 @@ from base.files import write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.sources import load_source
 from checkpoints.store import Checkpoint, find_checkpoint
-from data.tokenizer import GPT2_N_VOCAB, gpt2_bpe_files
 from model import GPTConfig
 from model.weights import stored_state
 
 EOT = "<|endoftext|>"
 # transformers' class of each architecture, by its column in checkpoints.hf.FIELDS
 ARCHITECTURES = dict(gpt2="GPT2LMHeadModel", llama="LlamaForCausalLM")
+# Byte-level BPE files spell byte b as chr(b) where that is printable (not the space), the
+# others as chr(256), chr(257), ... in byte order (GPT-2's bytes_to_unicode; tiktoken's too)
+_SHIFTED = [b for b in range(256) if b == 32 or not chr(b).isprintable()]
+BYTE_CHARS = [chr(256 + _SHIFTED.index(b)) if b in _SHIFTED else chr(b) for b in range(256)]
 
 
 def export_checkpoint(cfg: dict[str, Any]) -> Path:
@@ -58,33 +62,33 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
 
 
 def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
-    """The export's files: name -> tensors (model.safetensors), a dict (json), text, or a
-    file to copy."""
-    if ckpt.tokenizer_name != "gpt2":
-        raise ConfigError(
-            f"data.tokenizer={ckpt.tokenizer_name} has no Hugging Face tokenizer export; only "
-            "models trained with data.tokenizer=gpt2 can be exported"
-        )
+    """The export's files: name -> tensors (model.safetensors), a dict (json) or text."""
     config = ckpt.model.config
     kind = _architecture(config)
-    hf_config = _hf_config(config, kind)
+    tokenizer = ckpt.tokenizer()
+    eot = tokenizer.eot_token  # <|endoftext|>
+    hf_config = _hf_config(config, kind, eot)
     state = stored_state(ckpt.model.float().cpu())  # a tied head once, as wte
-    n_vocab = ckpt.tokenizer().n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
+    n_vocab = tokenizer.n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
     if config.vocab_size > n_vocab:  # the padding rows are never drawn nor trained: dropped
         hf_config["vocab_size"] = n_vocab
         embeddings = ("wte.weight", "lm_head.weight")
         state = {k: v[:n_vocab] if k.endswith(embeddings) else v for k, v in state.items()}
-    vocab, merges = gpt2_bpe_files()
     special_tokens = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
     return {
         "config.json": hf_config,
+        # generate()'s (and pipelines') length, the prompt included: never past the positions
+        "generation_config.json": {
+            "bos_token_id": eot,
+            "eos_token_id": eot,
+            "max_length": config.block_size,
+        },
         "model.safetensors": _gpt2_state(state) if kind == "gpt2" else _llama_state(state),
-        "vocab.json": vocab,  # GPT-2's encoder.json is Hugging Face's vocab.json, byte for byte
-        "merges.txt": merges,  # and its vocab.bpe their merges.txt
+        "tokenizer.json": _tokenizer_json(tokenizer),
         "tokenizer_config.json": {
-            "tokenizer_class": "GPT2Tokenizer",
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": config.block_size,
-            "add_prefix_space": False,
+            "split_special_tokens": True,  # "<|endoftext|>" in a text is text (encode_ordinary)
             **special_tokens,
         },
         "special_tokens_map.json": special_tokens,
@@ -107,12 +111,12 @@ def _architecture(config: GPTConfig) -> str:
     return kind
 
 
-def _hf_config(config: GPTConfig, kind: str) -> dict[str, Any]:
+def _hf_config(config: GPTConfig, kind: str, eot: int) -> dict[str, Any]:
     """config.json: each field's keys (FIELDS) and the fixed keys (HF_FIXED) of `kind`."""
     hf_config = {
         "architectures": [ARCHITECTURES[kind]],
         **{key: accepted[0] for key, accepted in HF_FIXED[kind].items()},
-        **dict.fromkeys(("bos_token_id", "eos_token_id"), GPT2_N_VOCAB - 1),  # <|endoftext|>
+        **dict.fromkeys(("bos_token_id", "eos_token_id"), eot),
         "torch_dtype": "float32",
         "initializer_range": 0.02,
     }
@@ -122,6 +126,40 @@ def _hf_config(config: GPTConfig, kind: str) -> dict[str, Any]:
         hf_config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_base}
         hf_config["head_dim"] = config.head_size
     return hf_config
+
+
+def _tokenizer_json(tokenizer: tiktoken.Encoding) -> dict[str, Any]:
+    """tokenizer.json of a tiktoken byte-level BPE (all of ours): the same split regex and
+    vocabulary. tiktoken merges the adjacent pair whose joined bytes rank lowest, so every split
+    of a token into two tokens is a merge, in the order of the joined token's rank (as
+    transformers' TikTokenConverter); tests check the ids on varied text."""
+    ranks = tokenizer._mergeable_ranks  # tiktoken has no public accessor for it nor the regex
+
+    def spell(b: bytes) -> str:
+        return "".join(BYTE_CHARS[x] for x in b)
+
+    merges = [
+        f"{spell(token[:i])} {spell(token[i:])}"  # no space inside: byte 32 is spelled Ġ
+        for token in sorted(ranks, key=ranks.get)
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    split = {"type": "Split", "pattern": {"Regex": tokenizer._pat_str}, "behavior": "Isolated"}
+    return {
+        "version": "1.0",
+        "added_tokens": [],  # <|endoftext|>: tokenizer_config.json's eos_token
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
+        },
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "vocab": {spell(b): rank for b, rank in ranks.items()} | {EOT: tokenizer.eot_token},
+            "merges": merges,
+        },
+    }
 
 
 def _gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -179,7 +217,7 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
         f"Exported by causalgpt's `export.py` from `{ckpt.path}` as a `{architecture}`.",
         "",
         f"- Model: {ckpt.model.num_params() / 1e6:.2f}M parameters, {ckpt.model.config}",
-        "- Tokenizer: GPT-2 (`gpt2`)",
+        f"- Tokenizer: `{ckpt.tokenizer_name}`",
     ]
     if "train" in run:
         lines += [
@@ -200,7 +238,7 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
             "`python evaluate.py checkpoint=<this directory>`"
         )
     if "causality" in meta:
-        lines.append(f"- Causality check: {json.dumps(meta['causality'])}")
+        lines += _causality_lines(meta["causality"])
     lines += [
         "",
         "```python",
@@ -213,12 +251,26 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
     return "\n".join(lines)
 
 
+def _causality_lines(record: dict[str, Any]) -> list[str]:
+    """The training guard's record (trainer/guard.py) as the card's bullets: the verdict, the
+    model it checked, and each check with its positions and largest violation."""
+    if not record["checked"]:
+        return [f"- Causality check: not run ({record['reason']})"]
+    verdict = "passed" if record["causal"] else "FAILED"
+    lines = [f"- Causality check: {verdict} on {record['model']}, in {record['seconds']} s:"]
+    for name, check in record["checks"].items():
+        status = "pass" if check["passed"] else "FAIL"
+        lines.append(
+            f"  - {name}: {check['positions']} positions, largest {check['measure']} "
+            f"{check['largest']:.1e}: {status}"
+        )
+    return lines
+
+
 def _write_files(tmp: Path, files: dict[str, Any]) -> None:
     """Write `files` (see hf_files) into the directory `tmp`."""
     for name, content in files.items():
-        if isinstance(content, Path):
-            shutil.copyfile(content, tmp / name)
-        elif isinstance(content, str):
+        if isinstance(content, str):
             (tmp / name).write_text(content)
         elif name.endswith(".safetensors"):
             tensors = {k: v.contiguous() for k, v in content.items()}  # Conv1D's: transposed

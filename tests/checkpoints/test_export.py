@@ -1,5 +1,5 @@
-"""export.py's directories load in plain transformers and compute our logits; options without an
-exact equivalent, other tokenizers and a non-empty `out` are refused in one line."""
+"""export.py's directories load in plain transformers and compute our logits and our tokenizers'
+ids; options without an exact equivalent and a non-empty `out` are refused in one line."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from checkpoints.hf import FIELDS, Field, Need, hf_keys
 from checkpoints.store import save_checkpoint
-from data.tokenizer import get_tokenizer
+from data.bpe import train_bpe
+from data.tokenizer import get_tokenizer, load_tokenizer, parse_tokenizer
 from model import GPT
+from model.config import load_preset
 from tests.conftest import tiny_config
+from tests.data.test_tokenizer import TRICKY
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,15 +23,23 @@ TEXT = "First Citizen:\nBefore we proceed, hear me speak.\n\n  Café naïve, 159
 RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
 
 
-def checkpoint(tmp_path, meta=None, **options):
+def checkpoint(tmp_path, meta=None, tokenizer="gpt2", **options):
+    """A tiny model with `tokenizer`'s vocabulary; bpe-<N> is trained on TEXT and TRICKY."""
+    bpe_file = None
+    if n_vocab := parse_tokenizer(tokenizer):
+        bpe_file = tmp_path / "bpe.json"
+        bpe_file.write_text(train_bpe([TEXT, *TRICKY], n_vocab)[0].to_json())
     torch.manual_seed(0)
-    model = GPT(tiny_config(vocab_size=50257, **options))
+    model = GPT(
+        tiny_config(**{"vocab_size": n_vocab or get_tokenizer(tokenizer).n_vocab, **options})
+    )
     with torch.no_grad():  # nonzero biases and gains: a mapping that drops one would show
         for name, p in model.named_parameters():
             if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.normal_(0, 0.5)
-    meta = {"step": 7, "tokenizer": "gpt2", **(meta or {})}
-    return save_checkpoint(tmp_path / "ckpt", model, RUN, meta), model.eval()
+    meta = {"step": 7, "tokenizer": tokenizer, **(meta or {})}
+    path = save_checkpoint(tmp_path / "ckpt", model, RUN, meta, tokenizer_file=bpe_file)
+    return path, model.eval()
 
 
 def export(tmp_path, path, **cfg):
@@ -36,26 +47,35 @@ def export(tmp_path, path, **cfg):
 
 
 @pytest.mark.parametrize(
-    "options, architecture",
+    "options, architecture, tokenizer",
     [
-        ({}, "GPT2LMHeadModel"),
-        ({"bias": False, "tie_embeddings": False, "mlp_ratio": 2}, "GPT2LMHeadModel"),
-        ({"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"}, "LlamaForCausalLM"),
+        ({}, "GPT2LMHeadModel", "gpt2"),
+        ({"bias": False, "tie_embeddings": False, "mlp_ratio": 2}, "GPT2LMHeadModel", "bytes"),
+        (
+            {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+            "LlamaForCausalLM", "bpe-300",
+        ),
         (
             {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
              "tie_embeddings": False, "rope_base": 500.0},
-            "LlamaForCausalLM",
+            "LlamaForCausalLM", "bytes",
         ),
     ],
 )  # fmt: skip
-def test_transformers_computes_our_logits(tmp_path, options, architecture):
-    path, ours = checkpoint(tmp_path, **options)
+def test_transformers_computes_our_logits_and_loss(tmp_path, options, architecture, tokenizer):
+    """Our logits on any ids, and our loss on a text tokenized by each side's own tokenizer."""
+    path, ours = checkpoint(tmp_path, tokenizer=tokenizer, **options)
     out = export(tmp_path, path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(theirs).__name__ == architecture
-    idx = torch.randint(0, 50257, (2, 16))
+    idx = torch.randint(0, ours.config.vocab_size, (2, 16))
+    their_ids = transformers.AutoTokenizer.from_pretrained(out)(TEXT, return_tensors="pt")
+    their_ids = their_ids["input_ids"][:, :16]
+    our_ids = torch.tensor([load_tokenizer(tokenizer, path).encode_ordinary(TEXT)[:16]])
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0], atol=1e-4, rtol=0)
+        loss = theirs(their_ids, labels=their_ids).loss
+        torch.testing.assert_close(loss, ours(our_ids[:, :-1], our_ids[:, 1:])[1])
 
 
 @pytest.mark.parametrize(
@@ -75,12 +95,28 @@ def test_a_padded_vocabulary_exports_as_the_tokenizers(tmp_path, options):
         )
 
 
-def test_the_tokenizer_gives_tiktokens_ids(tmp_path):
-    out = export(tmp_path, checkpoint(tmp_path)[0])
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    ids = tokenizer(TEXT)["input_ids"]
-    assert ids == get_tokenizer("gpt2").encode_ordinary(TEXT)
-    assert tokenizer.decode(ids) == TEXT and tokenizer.eos_token_id == 50256
+@pytest.mark.parametrize("name", ["gpt2", "bytes", "bpe-300"])
+def test_the_tokenizer_gives_our_ids(tmp_path, name):
+    """Code, accents, CJK, emoji, runs of spaces and newlines, and "<|endoftext|>" as text."""
+    path, _ = checkpoint(tmp_path, tokenizer=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export(tmp_path, path))
+    ours = load_tokenizer(name, path)
+    assert tokenizer.is_fast and tokenizer.eos_token_id == ours.eot_token
+    for text in [TEXT, *TRICKY]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode_ordinary(text), text
+        assert tokenizer.decode(ids) == text
+
+
+def test_the_docs_pipeline_generates_within_the_positions(tmp_path, monkeypatch):
+    """docs/evaluation.md's line, verbatim but for the directory, on the nano preset (64
+    positions): the pipeline's default 256 new tokens would index past them."""
+    nano = load_preset("nano") | {"vocab_size": 50257}
+    monkeypatch.chdir(export(tmp_path, checkpoint(tmp_path, **nano)[0]).parent)
+    from transformers import pipeline
+
+    text = pipeline("text-generation", "out")("ROMEO:")[0]["generated_text"]
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
 
 
 @pytest.mark.parametrize(
@@ -124,12 +160,6 @@ def test_config_json_holds_each_fields_value_under_its_keys(tmp_path, options):
             assert theirs[key] == getattr(ours.config, field.via or name), (name, key)
 
 
-def test_other_tokenizers_are_refused(tmp_path):
-    path, _ = checkpoint(tmp_path, meta={"tokenizer": "bytes"})
-    with pytest.raises(ConfigError, match="data.tokenizer=bytes has no Hugging Face tokenizer"):
-        export(tmp_path, path)
-
-
 def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
     path, _ = checkpoint(tmp_path)
     (tmp_path / "out").mkdir()
@@ -145,10 +175,28 @@ def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
 
 
 def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
-    meta = {"val_loss": 3.25, "val_bpb": 1.625, "causality": {"passed": True, "checks": 3}}
+    check = {"positions": 7, "largest": 0.0, "measure": "change in the past", "passed": True}
+    causality = {
+        "checked": True,
+        "causal": True,
+        "checks": {"manual perturbation (eval)": check},
+        "first_leak": None,
+        "model": "a shrunk copy (same options): n_layer=2, n_embd=8, vocab_size=64",
+        "seconds": 0.25,
+    }  # the guard's record (trainer/guard.py)
+    meta = {"val_loss": 3.25, "val_bpb": 1.625, "causality": causality}
     card = (export(tmp_path, checkpoint(tmp_path, meta=meta)[0]) / "README.md").read_text()
     assert '"name": "shakespeare"' in card and "Steps: 7" in card
     assert "1.6250 bits per byte" in card and "Initialized from: random weights" in card
-    assert 'Causality check: {"passed": true, "checks": 3}' in card
-    card = (export(tmp_path, checkpoint(tmp_path)[0], overwrite=True) / "README.md").read_text()
-    assert "not recorded" in card and "Causality" not in card
+    assert "- Tokenizer: `gpt2`" in card
+    assert (
+        "- Causality check: passed on a shrunk copy (same options): n_layer=2, n_embd=8, "
+        "vocab_size=64, in 0.25 s:\n"
+        "  - manual perturbation (eval): 7 positions, largest change in the past 0.0e+00: pass\n"
+    ) in card
+    meta = {"causality": {"checked": False, "reason": "train.check_causality=false"}}
+    card = (
+        export(tmp_path, checkpoint(tmp_path, meta)[0], overwrite=True) / "README.md"
+    ).read_text()
+    assert "not recorded" in card
+    assert "- Causality check: not run (train.check_causality=false)" in card
