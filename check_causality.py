@@ -1,8 +1,9 @@
 """Check that a model is causal: `python check_causality.py [key=value ...]`.
 
 The model is the one `python train.py` builds from the same overrides (shrunk by default), or a
-trained one: `checkpoint=<run dir | checkpoint dir | Hugging Face GPT-2 dir>`. Prints one line
-per check, then one JSON line; exit 0 when causal, 1 on a leak, 2 on a user error.
+trained one: `checkpoint=<run dir | checkpoint dir | Hugging Face GPT-2 dir>`. Prints a one-line
+verdict, one line per check, then one JSON line; exit 0 when causal, 1 on a leak, 2 on a user
+error.
 See configs/check_causality.yaml and the README ("Changing the model").
 """
 
@@ -27,20 +28,20 @@ GPT2_VOCAB = 50257  # vocab_size: null at full size (only the tokenizer knows it
 
 def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
     """The model named by `checkpoint` (ours, or a Hugging Face GPT-2 directory), else the
-    config's model (shrunk unless shrink=false), freshly initialised; and a one-line
-    description of it."""
+    config's model (shrunk unless shrink=false), freshly initialised; and what it is, for the
+    verdict ("causal: ... on <what>")."""
     if cfg["checkpoint"] is None:
         values = cfg["model"]
         if cfg["shrink"]:
             c = shrunk_config(values)
             sizes = f"n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}"
-            return GPT(c), f"model: the config's, shrunk to {sizes} (options as configured)"
+            return GPT(c), f"the config's model, shrunk to {sizes} (options as configured)"
         config = GPTConfig.from_dict({**values, "vocab_size": values["vocab_size"] or GPT2_VOCAB})
-        return GPT(config), f"model: the config's, full size ({config})"
+        return GPT(config), f"the config's model, full size ({config})"
     ckpt = load_source(str(cfg["checkpoint"]))  # ours, a Hugging Face GPT-2 dir, a GPT-2 name
     if ckpt.meta.get("source"):  # Hugging Face weights
-        return ckpt.model, f"model: Hugging Face GPT-2 weights from {ckpt.meta['source']}"
-    return ckpt.model, f"model: checkpoint {ckpt.path}"
+        return ckpt.model, f"Hugging Face GPT-2 weights from {ckpt.meta['source']}"
+    return ckpt.model, f"checkpoint {ckpt.path}"
 
 
 def run(cfg: dict[str, Any]) -> int:
@@ -53,11 +54,16 @@ def run(cfg: dict[str, Any]) -> int:
     device = resolve_device(cfg["device"])
     torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
     model, description = model_to_check(cfg)
-    print(description)
     attention = None if attention == "all" else (attention,)
     report = check_causality(
         model.to(device), cfg["seq_len"], cfg["batch_size"], cfg["seed"], attention
     )
+    n, failures = len(report.checks), report.failures()
+    if failures:
+        failed = sum(not c.passed for c in report.checks)
+        print(f"NOT causal: {failed} of {n} checks failed on {description}; first: {failures[0]}")
+    else:
+        print(f"causal: all {n} checks passed on {description}")
     print(report)  # a line per check, then the JSON summary
     return 0 if report.causal else 1
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from base.entry import hydra_main
 from base.errors import user_errors
 from checkpoints.store import CheckpointError
-from trainer.cli import run_config, write_run_files
+from trainer.cli import removed_if_failed, run_config, write_run_files
 from trainer.distributed import DistInfo
 from trainer.loop import Trainer, TrainingError, TrainingInterrupted
 from trainer.run_lock import acquire_run_lock
@@ -22,9 +22,11 @@ def main(cfg: DictConfig) -> None:
         settings, resolved = run_config(cfg, run_dir, overrides)
         # Nothing has been written to the run dir yet (Hydra made it, if it was missing): take
         # the lock on it now. The Trainer repairs, checks and resumes what is there.
-        if DistInfo.from_env().is_main:  # one owner per run dir: rank 0, for the whole job
+        owner = DistInfo.from_env().is_main  # one owner per run dir: rank 0, for the whole job
+        if owner:
             acquire_run_lock(run_dir)
-        trainer = Trainer(settings, run_dir, resolved)
+        with removed_if_failed(owner):
+            trainer = Trainer(settings, run_dir, resolved)
     if trainer.dist.is_main:  # only now: a failed or refused attempt leaves a run's files alone
         continues = settings.train.resume == "auto"
         write_run_files(run_dir, resolved, overrides, hydra_cfg, continues)

@@ -114,15 +114,10 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
     return probed_dtype("matmuls", bf16_speedup)
 
 
-def probed_dtype(what: str, bf16_speedup: Callable[[], float]) -> tuple[torch.dtype, str]:
-    """(bfloat16 or float32 for `what` on this CPU, a line saying why): as CAUSALGPT_CPU_AUTO_DTYPE
-    pins it, else bfloat16 where `bf16_speedup()` is at least BF16_MIN_SPEEDUP. The speedup is
-    measured once per machine, torch version, thread count and `what`, then read from a JSON
-    file in the cache directory."""
-    pinned = os.environ.get(AUTO_DTYPE_ENV)
-    if pinned:
-        choice(AUTO_DTYPE_ENV, pinned, ["float32", "bfloat16"])
-        return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
+def measured_once(what: str, measure: Callable[[], float]) -> float:
+    """`measure()`, run once per machine, torch version, thread count and `what`, then read from
+    cpu_precision.json in the cache directory (delete it to measure again): the CPU probes
+    take seconds, and a run should not pay them each time."""
     key = f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {what}"
     root = os.environ.get("CAUSALGPT_CACHE") or Path.home() / ".cache" / "causalgpt"
     file = Path(root).expanduser() / "cpu_precision.json"
@@ -131,11 +126,22 @@ def probed_dtype(what: str, bf16_speedup: Callable[[], float]) -> tuple[torch.dt
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = bf16_speedup()
+        known[key] = measure()
         with contextlib.suppress(OSError):  # a read-only home only costs a probe per run
             file.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(file, json.dumps(known, indent=2))
-    speedup = known[key]
+    return known[key]
+
+
+def probed_dtype(what: str, bf16_speedup: Callable[[], float]) -> tuple[torch.dtype, str]:
+    """(bfloat16 or float32 for `what` on this CPU, a line saying why): as CAUSALGPT_CPU_AUTO_DTYPE
+    pins it, else bfloat16 where `bf16_speedup()` (`measured_once`) is at least
+    BF16_MIN_SPEEDUP."""
+    pinned = os.environ.get(AUTO_DTYPE_ENV)
+    if pinned:
+        choice(AUTO_DTYPE_ENV, pinned, ["float32", "bfloat16"])
+        return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
+    speedup = measured_once(what, bf16_speedup)
     dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     verdict = "picked" if dtype == torch.bfloat16 else f"under {BF16_MIN_SPEEDUP}x: float32"
     return dtype, f"dtype=auto: bfloat16 {what} {speedup:.2g}x float32's on this CPU ({verdict})"
@@ -184,14 +190,18 @@ def peak_flops(precision: Precision) -> tuple[float | None, str]:
     return None, f"no peak figure for {device.type}: no MFU"
 
 
-@cache
 def measured_cpu_matmul_flops(dtype: torch.dtype) -> float:
     """FLOP/s of a large square matmul on this CPU (best of a few runs, ~0.2 s in float32; an
-    emulated bfloat16 is ~100x slower, hence a smaller matrix for other dtypes)."""
-    n = 1024 if dtype == torch.float32 else 512
-    generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
-    a, b = torch.randn(2, n, n, dtype=dtype, generator=generator)
-    return 2 * n**3 / fastest(lambda: a @ b, 5)
+    emulated bfloat16 is ~100x slower, hence a smaller matrix for other dtypes), measured once
+    per machine (`measured_once`)."""
+
+    def measure() -> float:
+        n = 1024 if dtype == torch.float32 else 512
+        generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
+        a, b = torch.randn(2, n, n, dtype=dtype, generator=generator)
+        return 2 * n**3 / fastest(lambda: a @ b, 5)
+
+    return measured_once(f"{dtype} matmul FLOP/s", measure)
 
 
 def cpuinfo() -> dict[str, str]:

@@ -27,15 +27,20 @@ else  # a checkout without .git (an exported tree): copy it, minus local state
 fi
 cd "$CLONE"
 
-# The README's quick start, verbatim: installing and training / testing are one command each.
-INSTALL='pip install torch==2.13.0 -e ".[dev]"'
+# The README's quick start, verbatim: the venv, PyTorch (here CI's torch==2.13.0, as .ci/run
+# installs it, where the README picks a CPU or GPU build), then the project's install, which
+# leaves that torch alone; installing and training / testing are one command each.
+VENV='python3 -m venv .venv && . .venv/bin/activate'
+INSTALL='pip install -e ".[dev]"'
+grep -Fq -- "$VENV" README.md || fail "README lost its venv command"
+grep -Fq -- "pip install torch --index-url https://download.pytorch.org/whl/cpu" README.md || fail "README lost its CPU torch command"
 grep -Fq -- "$INSTALL && python train.py" README.md || fail "README lost its train command"
 grep -Fq -- "$INSTALL && python -m pytest -q" README.md || fail "README lost its test command"
 
-step "install: python3 -m venv .venv && $INSTALL"
-python3 -m venv .venv
-. .venv/bin/activate
+step "install: $VENV, torch==2.13.0, $INSTALL"
+eval "$VENV"
 python -m pip install --quiet --upgrade pip
+python -m pip install --quiet torch==2.13.0
 eval "python -m pip install --quiet ${INSTALL#pip install }"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
@@ -79,8 +84,8 @@ kill -INT "$PID"
 set +e; wait "$PID"; CODE=$?; set -e
 [ "$CODE" -eq 130 ] || { cat stop.out; fail "Ctrl-C exited $CODE, expected 130"; }
 expect stop.out 'Resume with: python /\S*/train\.py hydra\.run\.dir=/\S*runs/stop train\.resume=auto' "the resume hint (absolute paths)"
-STOPPED=$(sed -nE 's/^stopped by signal 2 at step ([0-9]+);.*/\1/p' stop.out)
-[ -n "$STOPPED" ] || { cat stop.out; fail "no 'stopped by signal 2 at step N' line"; }
+STOPPED=$(sed -nE 's/^interrupted \(Ctrl-C\) at step ([0-9]+);.*/\1/p' stop.out)
+[ -n "$STOPPED" ] || { cat stop.out; fail "no 'interrupted (Ctrl-C) at step N' line"; }
 # The printed command as it is (it restores the run's overrides), with a longer budget.
 RESUME=$(sed -nE 's/.*Resume with: (.*)$/\1/p' stop.out)
 eval "$RESUME train.max_steps=$((STOPPED + 10))" > resume.out 2>&1 || { cat resume.out; fail "resume exited $?"; }

@@ -6,13 +6,17 @@ refused attempt never overwrites a run's files:
 1. Hydra composes the config (its own errors: base/entry.py);
 2. `ValidateBeforeRunDir.on_run_start` validates it (`run_config`) before Hydra creates the run
    directory (configs/train.yaml sets hydra.output_subdir to null: Hydra writes nothing there);
-3. train.py's main validates again (the same function), builds the Trainer, and only then
-   writes `.hydra/` (`write_run_files`).
+3. train.py's main validates again (the same function), builds the Trainer (which prepares the
+   data: a failure there removes the directories Hydra made for the run, `removed_if_failed`),
+   and only then writes `.hydra/` (`write_run_files`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,9 @@ RESUMABLE = (
     "compile",
 )
 _UNSET = object()
+# The topmost directory Hydra is about to create for this run (ValidateBeforeRunDir saw it
+# missing): what `removed_if_failed` removes. Empty when the run dir existed, and in a sweep.
+_made_for_run: list[Path] = []
 
 
 def run_config(
@@ -208,10 +215,26 @@ class ValidateBeforeRunDir(Callback):
         task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
         with user_errors():
             run_config(task, config.hydra.run.dir, list(config.hydra.overrides.task))
+        run_dir = Path(config.hydra.run.dir).absolute()
+        _made_for_run[:] = [d for d in (run_dir, *run_dir.parents) if not d.exists()][-1:]
         _check_writable(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+@contextlib.contextmanager
+def removed_if_failed(owner: bool) -> Iterator[None]:
+    """A run that fails before it starts (its data: a missing, empty or binary file; its memory)
+    leaves no run directory: on an error in the block, the process holding the run's lock
+    (`owner`) removes the directories Hydra made for it. A directory that existed before (a
+    resume) is left as it was."""
+    try:
+        yield
+    except BaseException:
+        if owner and _made_for_run:
+            shutil.rmtree(_made_for_run[0], ignore_errors=True)
+        raise
 
 
 def _check_writable(directory: str, key: str) -> None:

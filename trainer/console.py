@@ -6,7 +6,6 @@ import sys
 
 from tqdm import tqdm
 
-
 FORMATS = {"tok/s": "{:,.0f}", "mfu": "{:.1%}"}  # the rest: 4 significant digits
 
 

@@ -86,10 +86,11 @@ def build_optimizer(
 
 
 def lr_scale(
-    step: int, settings: OptimSettings, max_steps: int, time_fraction: float = 0.0
+    step: int, settings: OptimSettings, max_steps: int | None, time_fraction: float = 0.0
 ) -> float:
-    """The learning rate of optimizer step `step` (0-based) of `max_steps`, as a multiple of the
-    peak rate: from min_lr / lr to 1. A pure function of its arguments.
+    """The learning rate of optimizer step `step` (0-based) of `max_steps` (None: no step limit,
+    the time budget alone is the horizon), as a multiple of the peak rate: from min_lr / lr to 1.
+    A pure function of its arguments.
 
     Linear warmup to 1 over `warmup_steps` steps, then:
       cosine:   half a cosine from 1 down to min_lr / lr at the end of the run
@@ -115,7 +116,7 @@ def lr_scale(
     if settings.schedule == "constant":
         return 1.0
     by_time = min(max(time_fraction, 0.0), 1.0)
-    last = max_steps - 1
+    last = (max_steps or math.inf) - 1  # no step limit: the steps make no progress
     if settings.schedule == "cosine":
         span = last - settings.warmup_steps
         by_steps = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
@@ -123,8 +124,8 @@ def lr_scale(
         return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
     # wsd: the decay is the last decay_fraction of the steps, or of the time budget
     fraction = settings.decay_fraction
-    decay_steps = round(fraction * max_steps)
-    decay_start = max(settings.warmup_steps, max_steps - decay_steps)
+    decay_steps = round(fraction * max_steps) if max_steps else 0
+    decay_start = max(settings.warmup_steps, last + 1 - decay_steps)
     by_steps = 0.0
     if decay_steps > 0 and step >= decay_start:
         by_steps = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)

@@ -85,6 +85,19 @@ def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
     assert peak_flops(Precision(CPU, BF16))[0] == 4e11
 
 
+def test_the_cpu_peak_is_measured_once_per_machine_and_then_read_from_the_cache(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
+    timings = iter([0.5, 0.25])  # a second measurement (a new process) would double the peak
+    monkeypatch.setattr(device_module, "fastest", lambda run, repeats: next(timings))
+    assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.5
+    assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.5
+    cached = json.loads((tmp_path / "cpu_precision.json").read_text())
+    assert list(cached.values()) == [2 * 1024**3 / 0.5]
+    assert next(iter(cached)).endswith("| torch.float32 matmul FLOP/s")
+
+
 # ----- dtype=auto on a CPU: decided by a probe, measured once per machine ----------------------
 
 

@@ -187,6 +187,7 @@ def test_the_command_exits_1_naming_the_leak(control, monkeypatch, capsys):
     assert check_causality.run(cfg) == 1
     out = capsys.readouterr().out
     assert f"leak: {c.where}: " in out and out.count(": FAIL") == len(c.catches)
+    assert out.startswith(f"NOT causal: {len(c.catches)} of 5 checks failed on the config's model")
     assert '"causal": false' in out.splitlines()[-1]
 
 

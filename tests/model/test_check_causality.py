@@ -42,7 +42,7 @@ def test_every_preset_is_causal(preset, capsys):
     code; the experiments below keep theirs)."""
     code, lines, summary = run_command(capsys, f"model={preset}", "model.n_layer=2")
     assert code == 0 and summary["causal"] and summary["first_leak"] is None
-    assert lines[0].startswith("model: the config's, shrunk to n_layer=2, ")
+    assert lines[0].startswith("causal: all 15 checks passed on the config's model, shrunk to ")
     assert len(summary["checks"]) == 15 and sum(": pass" in line for line in lines) == 15
 
 
@@ -52,6 +52,7 @@ def test_every_shipped_experiment_is_causal_as_shipped(experiment, capsys):
     cfg = command_config(f"experiment={experiment}")
     code, lines, summary = run_command(capsys, f"experiment={experiment}")
     assert code == 0 and summary["causal"]
+    assert lines[0].startswith("causal: all ")
     assert f"shrunk to n_layer={cfg['model']['n_layer']}," in lines[0]
     own = cfg["model"]["attention"]
     assert next(iter(summary["checks"])) == f"{own} perturbation (eval)"
@@ -63,7 +64,7 @@ def test_a_trained_checkpoint_and_its_run_dir(tmp_path, capsys):
     ckpt = save_checkpoint(tmp_path / "run" / "checkpoints" / "last", model, {}, {"step": 1})
     for source in (ckpt, tmp_path / "run"):
         code, lines, summary = run_command(capsys, f"checkpoint={source}", "attention=sdpa")
-        assert code == 0 and lines[0] == f"model: checkpoint {ckpt}"
+        assert code == 0 and lines[0] == f"causal: all 5 checks passed on checkpoint {ckpt}"
         assert list(summary["checks"])[0] == "sdpa perturbation (eval)"
         assert len(summary["checks"]) == 5
 
@@ -76,13 +77,14 @@ def test_a_hugging_face_gpt2_directory(tmp_path, capsys):
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
     code, lines, summary = run_command(capsys, f"checkpoint={tmp_path / 'hf'}", "attention=manual")
-    assert code == 0 and lines[0] == f"model: Hugging Face GPT-2 weights from {tmp_path / 'hf'}"
+    source = f"Hugging Face GPT-2 weights from {tmp_path / 'hf'}"
+    assert code == 0 and lines[0] == f"causal: all 5 checks passed on {source}"
     assert summary["causal"]
 
 
 def test_full_size_builds_the_configs_model(capsys):
     code, lines, _ = run_command(capsys, "model=nano", "shrink=false", "attention=manual")
-    assert code == 0 and "model: the config's, full size" in lines[0]
+    assert code == 0 and "passed on the config's model, full size" in lines[0]
     assert "n_embd=32" in lines[0] and "vocab_size=50257" in lines[0]
 
 

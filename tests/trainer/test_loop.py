@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from tests.conftest import tiny_config
 from tests.trainer.helpers import HANG_SECONDS, compose_run, losses, make_trainer
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
-from trainer.loop import TrainingError
+from trainer.loop import TrainingError, TrainingInterrupted
 from trainer.muon import Muon
 from trainer.optim import build_optimizer
 
@@ -72,6 +73,89 @@ def test_the_time_budget_ends_the_schedule_for_every_group(tmp_path, corpus):
     rates = [g["lr"] for g in trainer.optimizer.param_groups]
     floor = optim.min_lr / optim.lr
     assert rates == pytest.approx([optim.min_lr, optim.min_lr, optim.muon_lr * floor])
+
+
+class FakeClock:
+    """trainer.loop's `time`: time passes only as the test says, by what each optimizer step
+    and each evaluation of `trainer` costs, so that no test depends on the machine's speed.
+    `evaluations` records (step, whole split) of each evaluation."""
+
+    def __init__(self, trainer, step_seconds: float, eval_seconds: float = 0.0):
+        self.now, self.evaluations = 0.0, []
+        train_step, evaluate = trainer.train_step, trainer.evaluate
+
+        def step():
+            self.now += step_seconds
+            return train_step()
+
+        def evaluated(whole_split=False):
+            self.now += eval_seconds
+            self.evaluations.append((trainer.state.step, whole_split))
+            return evaluate(whole_split)
+
+        trainer.train_step, trainer.evaluate = step, evaluated
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+QUIET = ("train.eval_interval=0", "train.ckpt_interval=0", "train.log_interval=100")
+
+
+def test_a_time_budget_alone_ends_the_run_when_max_steps_is_not_set(
+    tmp_path, corpus, monkeypatch, capsys
+):
+    """train.max_steps unset (null), train.max_seconds set: the budget, not the default number
+    of steps (4 here, for speed), ends the run (2 s a step on the test's clock: 8 steps)."""
+    monkeypatch.setattr("trainer.config.DEFAULT_MAX_STEPS", 4)
+    assert compose_run([], "train.max_steps=null")[0].train.max_steps == 4  # without a budget
+    trainer = make_trainer(tmp_path, corpus, *QUIET, "train.max_steps=null", "train.max_seconds=16")
+    monkeypatch.setattr("trainer.loop.time", FakeClock(trainer, step_seconds=2.0))
+    assert trainer.run()["step"] == 8
+    assert "budget: 16 s of training (train.max_seconds)\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("max_steps, max_seconds, stopped", [(12, 100, 12), (12, 10, 5)])
+def test_with_both_set_whichever_comes_first_ends_the_run_as_announced(
+    tmp_path, corpus, monkeypatch, capsys, max_steps, max_seconds, stopped
+):
+    limits = (f"train.max_steps={max_steps}", f"train.max_seconds={max_seconds}")
+    trainer = make_trainer(tmp_path, corpus, *QUIET, *limits)
+    monkeypatch.setattr("trainer.loop.time", FakeClock(trainer, step_seconds=2.0))
+    assert trainer.run()["step"] == stopped
+    announced = f"budget: {max_steps} steps or {max_seconds} s of training (train.max_seconds), "
+    assert announced + "whichever comes first\n" in capsys.readouterr().out
+
+
+def test_a_budget_spent_by_an_evaluation_ends_the_run_with_that_evaluation(
+    tmp_path, corpus, monkeypatch
+):
+    """The evaluation at step 6 spends the budget: the run ends at step 6 and evaluates there
+    once, then the whole split (no second evaluation of a step 7 trained after the budget)."""
+    trainer = make_trainer(tmp_path, corpus, "train.max_steps=100", "train.max_seconds=10")
+    clock = FakeClock(trainer, step_seconds=1.0, eval_seconds=10.0)
+    monkeypatch.setattr("trainer.loop.time", clock)
+    assert trainer.run()["step"] == 6
+    assert clock.evaluations == [(6, False), (6, True)]
+
+
+@pytest.mark.parametrize(
+    "signum, said",
+    [(signal.SIGINT, "interrupted (Ctrl-C) at step 3; "), (signal.SIGTERM, "stopped by SIGTERM")],
+)
+def test_a_stop_signal_is_named_as_users_know_it(tmp_path, corpus, signum, said):
+    trainer = make_trainer(tmp_path, corpus)
+    train_step = trainer.train_step
+
+    def step():
+        if trainer.state.step == 2:  # during step 3
+            signal.raise_signal(signum)
+        return train_step()
+
+    trainer.train_step = step
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer.run()
+    assert str(stopped.value).startswith(said) and stopped.value.signum == signum
 
 
 def test_overfits_one_batch():

@@ -124,6 +124,15 @@ def test_time_budget_ends_the_cosine_even_when_max_steps_is_far_away():
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
+@pytest.mark.parametrize("kind, half_way", [("cosine", 0.5), ("wsd", 0.9)])
+def test_without_a_step_limit_the_time_budget_alone_is_the_horizon(kind, half_way):
+    """max_steps None (train.max_seconds alone): however many steps, only the clock decays."""
+    settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=10, schedule=kind)
+    assert lr_scale(10**9, settings, None, time_fraction=0.0) == 1.0
+    assert lr_scale(500, settings, None, time_fraction=half_way) == pytest.approx(0.55)
+    assert lr_scale(500, settings, None, time_fraction=1.0) == pytest.approx(0.1)
+
+
 def test_the_further_along_of_steps_and_time_sets_the_progress():
     settings = OptimSettings(lr=1.0, min_lr=0.1, warmup_steps=0)
     assert lr_scale(99, settings, 100, time_fraction=0.1) == pytest.approx(0.1)  # steps are done

@@ -21,7 +21,11 @@ from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import ROOT, TINY, run_script
 
 
-def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path, corpus):
+def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(
+    tmp_path, corpus, monkeypatch
+):
+    # a machine's first plot: matplotlib builds its font cache, and says so in the log
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "matplotlib"))
     run_dir = tmp_path / "run"
     result = run_script("train.py", *TINY, *corpus, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -30,6 +34,7 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(tmp_path
     assert f"checkpoint: {run_dir / 'checkpoints' / 'last'}" in result.stdout
     assert load_checkpoint(run_dir / "checkpoints" / "best").meta["step"] in (6, 12)
     assert "warn" not in (result.stdout + result.stderr).lower()
+    assert "font" not in (result.stdout + result.stderr).lower()
     assert "Traceback" not in result.stderr
     # no train.log (the run's record is metrics.jsonl and loss.png); the lock file stays, and
     # with the process gone nobody holds it (tests/trainer/test_run_lock.py)
@@ -56,6 +61,26 @@ def test_bad_input_is_one_clear_error_without_traceback(tmp_path, corpus, overri
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith(expected), result.stderr
     assert not (tmp_path / "outputs").exists()  # a failed attempt leaves no run dir
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "error: data.train_files: 'input.txt' does not exist"),
+        (b"", "error: data.train_files: 'input.txt' is empty"),
+        (bytes(range(256)), "is not UTF-8 text (byte 128 is not valid UTF-8)"),
+    ],
+)
+def test_a_run_that_fails_on_its_data_leaves_no_run_dir(tmp_path, content, expected):
+    """A missing, empty or binary training file fails once Hydra has made the run dir (the data
+    is prepared in the run): the dirs made for it are removed."""
+    if content is not None:
+        (tmp_path / "input.txt").write_bytes(content)
+    data = ["data=text", "data.train_files=[input.txt]", f"data.cache_dir={tmp_path / 'cache'}"]
+    result = run_script("train.py", *TINY, *data, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: data.train_files") and expected in result.stderr
+    assert not (tmp_path / "outputs").exists()
 
 
 def _files(directory: Path) -> dict[str, bytes]:
