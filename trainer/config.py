@@ -21,6 +21,7 @@ import yaml
 from base.checks import boolean, check, non_negative_int, number, positive_int
 from base.errors import ConfigError
 from data.config import CONFIG_DIR
+from trainer.tasks import task_config
 
 
 def _yaml(name: str) -> dict[str, Any]:
@@ -53,11 +54,15 @@ def _positive(key: str, value: Any, rule: str = "positive") -> float:
     return check(key, value, number(key, value) > 0, rule)
 
 
+DEFAULT_MAX_STEPS = 250  # train.max_steps: null without train.max_seconds (configs/train.yaml)
+
+
 @defaults_from(TRAIN_YAML["train"])
 class TrainSettings:
     batch_size: int  # sequences per micro-batch (per rank when distributed)
     grad_accum_steps: int  # micro-batches per optimizer step
-    max_steps: int  # optimizer steps
+    # optimizer steps; None: as many as max_seconds allows, or DEFAULT_MAX_STEPS without it
+    max_steps: int | None
     # wall-clock budget for the training loop; the lr schedule then decays by time as well
     max_seconds: float | None
     eval_interval: int  # steps between evaluations (0: only at the end)
@@ -72,10 +77,17 @@ class TrainSettings:
     skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
     check_causality: bool  # check a shrunk copy of the model first (trainer/guard.py)
     final_eval: str  # the evaluation at the end: whole | periodic (the eval_steps subset) | none
+    eval_tasks: list[str]  # downstream tasks scored at each evaluation (configs/task/ names)
+    eval_task_items: int | None  # the first N items of each task (None: all)
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "log_interval"):
+        # null is "not set": a time budget alone then ends the run, else the default steps
+        if self.max_steps is None and self.max_seconds is None:
+            self.max_steps = DEFAULT_MAX_STEPS
+        for name in ("batch_size", "grad_accum_steps", "eval_steps", "log_interval"):
             positive_int(f"train.{name}", getattr(self, name))
+        if self.max_steps is not None:
+            positive_int("train.max_steps", self.max_steps)
         for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
             non_negative_int(f"train.{name}", getattr(self, name))
         if self.max_seconds is not None:
@@ -88,6 +100,10 @@ class TrainSettings:
         _one_of("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
         boolean("train.skip_memory_check", self.skip_memory_check)
         boolean("train.check_causality", self.check_causality)
+        if self.eval_task_items is not None:
+            positive_int("train.eval_task_items", self.eval_task_items)
+        for name in self.eval_tasks:
+            task_config(name)  # an unknown task fails here, before the run dir is made
 
 
 @defaults_from(OPTIM_YAML)

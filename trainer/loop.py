@@ -58,6 +58,7 @@ from trainer.memory import check_memory
 from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.step_health import Verdict, step_verdict
+from trainer.tasks import load_task, score_task, task_config, task_line
 from trainer.tracking import Tracker
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -139,6 +140,15 @@ class Trainer:
         self.data = run_on_main(lambda: prepare_data(cfg.data))
         check_visible(self.data)
         self.model = self._new_model(self.dist.world_size if sharded else 1)
+        with main_first():  # rank 0 downloads a hub task once; the others read its cache
+            self.tasks = [  # scored at each evaluation: the first eval_task_items of each
+                load_task(
+                    {**task_config(name), "limit": train.eval_task_items},
+                    self.data.tokenizer(),
+                    self.model.config.block_size,
+                )
+                for name in train.eval_tasks
+            ]
         # 4. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
         # and the optimizer over the (sharded) parameters.
         self.checkpoints = CheckpointManager(
@@ -349,35 +359,49 @@ class Trainer:
 
     def _loop(self, received: list[int]) -> None:
         cfg, state = self.cfg.train, self.state
+        max_steps = cfg.max_steps or math.inf  # None: the time budget alone ends the run
         loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
         timed_from, timed_steps = time.perf_counter(), 0  # tokens/s is timed_steps over this
         first_step = state.step
+
+        def clock() -> float:  # seconds in the training loop, summed over resumes
+            return elapsed_at_start + time.perf_counter() - loop_start
+
         signum, out_of_time = self._stop_requested(received)
-        while state.step < cfg.max_steps and not out_of_time:
+        while state.step < max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
             timed_steps += 1
-            state.elapsed = elapsed_at_start + time.perf_counter() - loop_start
-            logged = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
-            signum, out_of_time = self._stop_requested(received, agree=logged)
+            state.elapsed = clock()
+            logged = state.step % cfg.log_interval == 0 or state.step == max_steps
             if state.step == first_step + 1 and not logged:  # compiling is not training speed
                 timed_from, timed_steps = time.perf_counter(), 0
             if logged:
                 seconds = time.perf_counter() - timed_from
                 self._log(loss, grad_norm, timed_steps * self.tokens_per_step / seconds)
-            if cfg.eval_interval and state.step % cfg.eval_interval == 0:
+            evaluated = bool(cfg.eval_interval) and state.step % cfg.eval_interval == 0
+            if evaluated:
                 self._periodic_eval()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.checkpoints.save_periodic(self.model, self._meta(), self.stateful)
             if logged:
                 timed_from, timed_steps = time.perf_counter(), 0  # no evaluation or save in it
+            # Decided after the evaluation: a budget it spends ends the run at this step, whose
+            # evaluation is then the final one (not a second one, a step later).
+            state.elapsed = clock()
+            signum, out_of_time = self._stop_requested(received, agree=logged or evaluated)
             if signum:
                 self._interrupted(signum)
 
     def _announce(self) -> None:
-        """What is about to be trained, on what, and where it goes."""
+        """What is about to be trained, on what, for how long, and where it goes."""
         world = self.dist.world_size
         ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
+        steps, seconds = self.cfg.train.max_steps, self.cfg.train.max_seconds
+        budget = f"{steps:,} steps" if steps else ""
+        if seconds:
+            clock = f"{seconds:g} s of training (train.max_seconds)"
+            budget = f"{budget} or {clock}, whichever comes first" if steps else clock
         self.progress.message(
             f"run dir: {self.run_dir}\n"
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
@@ -385,7 +409,7 @@ class Trainer:
             f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
             f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}"
             f"{f' ({self.precision.why})' if self.precision.why else ''}, "
-            f"MFU vs {self.peak_source}\n{self.tracker.location}"
+            f"MFU vs {self.peak_source}\nbudget: {budget}\n{self.tracker.location}"
         )
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
@@ -393,8 +417,8 @@ class Trainer:
     def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
         signal or clock on any one of them stops every rank after the same step. Under torchrun
-        the ranks agree at logged steps only (`agree`), so that no other step waits on a
-        collective; a single process decides at every step."""
+        the ranks agree at logged steps and evaluations only (`agree`), so that no other step
+        waits on a collective; a single process decides at every step."""
         if self.dist.enabled and not agree:
             return 0, False
         budget = self.cfg.train.max_seconds
@@ -412,7 +436,7 @@ class Trainer:
         if self.peak_tokens_per_s:
             values["mfu"] = tok_s / self.peak_tokens_per_s
         step, budget = self.state.step, self.cfg.train.max_seconds
-        eta = (self.cfg.train.max_steps - step) * self.tokens_per_step / tok_s
+        eta = ((self.cfg.train.max_steps or math.inf) - step) * self.tokens_per_step / tok_s
         if budget is not None:
             eta = min(eta, budget - self.state.elapsed)
         self.progress.update(step, values, eta)
@@ -430,10 +454,12 @@ class Trainer:
         path = self.save("last")
         launcher = "torchrun <flags>" if self.dist.enabled else "python"
         command = shlex.join([str(TRAIN_PY), f"hydra.run.dir={self.run_dir}", "train.resume=auto"])
+        name = signal.Signals(signum).name
+        how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {name}"
         raise TrainingInterrupted(
             signum,
-            f"stopped by signal {signum} at step {self.state.step}; checkpoint saved to "
-            f"{path}. Resume with: {launcher} {command}",
+            f"{how} at step {self.state.step}; checkpoint saved to {path}. "
+            f"Resume with: {launcher} {command}",
         )
 
     def _periodic_eval(self) -> EvalResult:
@@ -446,7 +472,14 @@ class Trainer:
             f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
-        self._record(result.metrics("val"), self.state.step)
+        metrics = result.metrics("val")
+        for task in self.tasks:  # each rank scores its share of the items
+            scores = score_task(
+                self.model, task, self.precision, self.dist.rank, self.dist.world_size
+            )
+            self.progress.message(f"step {self.state.step} | {task_line(task.name, scores)}")
+            metrics |= {f"{task.name}/{k}": v for k, v in scores.items() if k != "items"}
+        self._record(metrics, self.state.step)
         self.metrics.plot()
         if self.records_samples:
             self.tracker.log_samples(self._samples(), self.state.step)

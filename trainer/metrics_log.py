@@ -8,14 +8,16 @@ fsynced once the next step begins or the run ends, so a kill loses at most that 
 torn by a kill is ignored when the file is read, and a resumed run drops the rows after its
 checkpoint's step (it will log them again): the file never holds a step twice.
 
-loss.png plots train and val loss against tokens seen, with val bpb on a second axis; it is
-redrawn at each evaluation and at the end, and replaced atomically (base.files.write_atomic).
+loss.png plots train and val loss against tokens seen, with val bpb on a second axis, and the
+accuracies of train.eval_tasks in a panel below; it is redrawn at each evaluation and at the
+end, and replaced atomically (base.files.write_atomic).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +109,9 @@ class MetricsLog:
 
 def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
     """Train and val loss against tokens seen, val bpb on a second axis, as a PNG."""
+    # matplotlib's first import on a machine builds its font cache and logs it, in the middle
+    # of the training log: only its errors are worth a line there
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import EngFormatter
 
@@ -114,8 +119,9 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
         points = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None]
         return [x for x, _ in points], [y for _, y in points]
 
-    fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
-    ax = fig.add_subplot()
+    accuracies = sorted({k for r in rows for k in r if k.endswith(("_acc", "_acc_norm"))})
+    fig = Figure(figsize=(7, 7 if accuracies else 4), dpi=100, layout="constrained")
+    ax = fig.add_subplot(2 if accuracies else 1, 1, 1)
     bpb = ax.twinx()
     styles = [
         (ax, "train_loss", dict(color="tab:blue", lw=1, label="train loss")),
@@ -129,7 +135,11 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
             axis.plot(x, y, style.pop("fmt", "-"), **style)
     x, y = series("val_bpb")
     if y:
-        bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), textcoords="offset points", xytext=(-8, 6))
+        # up and to the left of the last point, on white: clear of the final star at the same
+        # x and legible over the loss curves
+        box = dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8)
+        label = dict(textcoords="offset points", xytext=(-8, 8), ha="right", bbox=box)
+        bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), color="tab:green", **label)
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
@@ -138,4 +148,12 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
     ax.legend(handles=handles, loc="upper right", fontsize="small")
     ax.set_title(title, fontsize="small")
     ax.grid(alpha=0.3)
+    if accuracies:  # downstream tasks (train.eval_tasks) in a panel of their own, below
+        tasks = fig.add_subplot(2, 1, 2, sharex=ax)
+        for key in accuracies:
+            tasks.plot(*series(key), "o-", ms=3, label=key.replace("_acc", " acc"))
+        tasks.set_xlabel("tokens seen")
+        tasks.set_ylabel("accuracy")
+        tasks.legend(loc="upper left", fontsize="small")
+        tasks.grid(alpha=0.3)
     fig.savefig(path, format="png")

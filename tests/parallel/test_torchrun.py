@@ -19,10 +19,13 @@ import torch
 from checkpoints.store import load_checkpoint
 from tests.parallel.worker import PROBE
 from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer
+from tests.trainer.test_tasks import CPU, GPT2, HELLASWAG, model_for, write_jsonl
+from trainer.tasks import load_task, score_task, task_config
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("worker.py")
+TASK_WORKER = Path(__file__).with_name("task_worker.py")
 # 2 ranks x 2 windows: the global batch of the single-process reference's 4 windows.
 RUN = [
     *TINY,
@@ -184,3 +187,17 @@ def test_only_logged_steps_run_collectives_and_each_step_reads_the_host_once(tmp
     for step in ("1", "2", "4", "5"):
         assert counts[step] == {"tolist": 1}, (step, counts)
     assert counts["3"]["all_reduce"] == 2, counts  # the stop flags and the loss mean
+
+
+@pytest.mark.parametrize("strategy", ["plain", "fsdp"])
+def test_two_ranks_score_a_task_as_one_process(tmp_path, strategy):
+    """3 items on 2 ranks: rank 0 scores two, rank 1 one (then a filler under FSDP, whose every
+    forward is a collective); the summed counts are one process's."""
+    items = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    result = torchrun(TASK_WORKER, str(items), strategy, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two_ranks = json.loads(result.stdout.strip().splitlines()[-1])
+    task = load_task({**task_config("hellaswag"), "data_files": str(items)}, GPT2, 64)
+    one = score_task(model_for(), task, CPU)
+    assert two_ranks["items"] == one["items"] == 3
+    assert two_ranks == pytest.approx(one, rel=1e-9)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.trainer.helpers import make_trainer
-from trainer.metrics_log import METRICS_FILE, PLOT_FILE, MetricsLog, read_metrics
+from trainer.metrics_log import METRICS_FILE, PLOT_FILE, MetricsLog, draw, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Step 2's row as log_steps logs it (100 tokens per step): training values and its evaluation.
@@ -129,3 +129,21 @@ def test_the_plot_includes_the_pending_row(tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1]
     (rows,) = drawn
     assert rows[-1] == STEP_2_ROW
+
+
+def test_task_accuracies_get_a_panel_of_their_own(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *args, **kwargs: figures.append(fig))
+    tasks = {"hellaswag_acc": 0.25, "hellaswag_acc_norm": 0.5, "hellaswag_acc_stderr": 0.1}
+    draw([STEP_2_ROW], tmp_path / "plain.png")
+    draw([{**STEP_2_ROW, **tasks}], tmp_path / "tasks.png")
+    plain, with_tasks = figures
+    assert len(plain.axes) == 2  # loss, and bpb on its twin
+    panel = with_tasks.axes[-1]
+    assert len(with_tasks.axes) == 3
+    assert [line.get_label() for line in panel.get_lines()] == [
+        "hellaswag acc",
+        "hellaswag acc_norm",
+    ]

@@ -18,7 +18,8 @@ from data.tokenizer import get_tokenizer
 from hardware.device import Precision
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import run_script
+from tests.trainer.helpers import TINY, make_trainer, run_script
+from trainer.metrics_log import METRICS_FILE, read_metrics
 from trainer.tasks import (
     encode_pair,
     load_task,
@@ -294,3 +295,26 @@ def test_evaluate_py_refuses_bad_tasks_in_one_line(tmp_path, hf_gpt2_dir, args, 
     assert done.stderr.count("error:") == 1 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing written
+
+
+def test_training_scores_its_tasks_at_each_evaluation(tmp_path, corpus, capsys):
+    items = write_jsonl(tmp_path / "hs.jsonl", HELLASWAG)
+    task = tmp_path / "hs.yaml"  # a task file of one's own: hellaswag's on a local file
+    task.write_text(json.dumps({**task_config("hellaswag"), "data_files": str(items)}))
+    trainer = make_trainer(
+        tmp_path / "run", corpus, f"train.eval_tasks=[{task}]", "train.eval_task_items=2"
+    )
+    trainer.run()
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / METRICS_FILE)}
+    evaluated = [step for step, row in rows.items() if "val_loss" in row]
+    assert evaluated == [6, 12]
+    for step in evaluated:  # the same 2 items each time, so the accuracies are k / 2
+        assert rows[step]["hellaswag_acc"] in (0.0, 0.5, 1.0)
+        assert set(rows[step]) >= {"hellaswag_acc_norm", "hellaswag_acc_stderr"}
+    assert "step 6 | hellaswag: acc " in capsys.readouterr().out
+
+
+def test_an_unknown_training_task_fails_before_the_run_dir(tmp_path, corpus):
+    done = run_script("train.py", *TINY, *corpus, "train.eval_tasks=[hellaswagg]", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown task 'hellaswagg'" in done.stderr, done.stderr
+    assert not (tmp_path / "outputs").exists()

@@ -1,0 +1,27 @@
+"""A torchrun worker: every rank scores a local HellaSwag file with the same seeded model (plain,
+or FSDP-sharded: every forward a collective); rank 0 prints the metrics as JSON.
+
+    python -m torch.distributed.run ... task_worker.py ITEMS.jsonl plain|fsdp
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.trainer.test_tasks import CPU, GPT2, model_for
+from trainer.distributed import DistInfo, wrap_model
+from trainer.tasks import load_task, score_task, task_config
+
+dist.init_process_group("gloo")
+model = model_for()
+if sys.argv[2] == "fsdp":
+    model = wrap_model(model, "fsdp", DistInfo.from_env(), torch.device("cpu"))
+task = load_task({**task_config("hellaswag"), "data_files": sys.argv[1]}, GPT2, 64)
+metrics = score_task(model, task, CPU, dist.get_rank(), dist.get_world_size())
+if dist.get_rank() == 0:
+    print(json.dumps(metrics))
+dist.destroy_process_group()
