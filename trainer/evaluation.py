@@ -163,7 +163,7 @@ def evaluate_checkpoint(
     method = f"sliding windows, stride {stride}" if stride else "non-overlapping windows"
     say(f"{source}: {len(tokens) - 1:,} tokens, {nbytes:,} bytes, {method} of {block_size}")
     # Every token but the first is predicted, and together they span all the bytes.
-    with Counter(len(tokens) - 1, "tok") as counter:
+    with Counter(len(tokens) - 1, "token") as counter:
         result = evaluate(
             ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision,
             stride=stride, progress=counter,
