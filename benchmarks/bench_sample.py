@@ -26,15 +26,20 @@ the higher of the two (the stricter). The rows are measured --rounds times, inte
 row's tok/s and roofline are medians over the rounds, "of roofline" the median of the runs'
 own fractions, and "vs nanoGPT" the median of the per-round ratios. A first table times those
 matrix-vector products in each layout (inference/decoding.py): nn.Linear's, an (in, out) copy,
-and that copy cut into blocks of rows, one per thread, as generation uses on a CPU. Run from
-anywhere:
+and that copy cut into blocks of rows, one per thread, as generation uses on a CPU. A last
+table runs the cached float32 row on a quiet machine and with one core kept busy by another
+process: on every thread, on one, and as generation does (trial steps on each count, then the
+faster), --rounds times interleaved, medians. Run from anywhere:
 ``python benchmarks/bench_sample.py [--new-tokens N] [--rounds N] [--threads N]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -46,7 +51,7 @@ from torch import nn
 
 from hardware.device import cpu_auto_dtype
 from inference import SamplingParams, generate
-from inference.decoding import SplitLinear, cpu_decoding_dtype
+from inference.decoding import SplitLinear, cpu_decoding_dtype, cpu_threads
 from model import GPT, GPTConfig
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304, dropout=0.0)
@@ -101,6 +106,42 @@ def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
             layer(inputs[width])
 
     return step
+
+
+def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
+    """Print cached float32 generation's tok/s on a quiet machine and with one core kept busy by
+    another process (`while True: pass`): on torch's threads throughout (as before generation's
+    trial steps, inference/generate.py), on one thread (a decoding copy in one block, as with
+    OMP_NUM_THREADS=1), and as generation runs now (its trial steps included, its pick shown)."""
+    generation = importlib.import_module("inference.generate")  # the module, not the function
+    trials, threads, used = generation.THREAD_TRIALS, torch.get_num_threads(), []
+    generation.cpu_threads = lambda count: used.append(count) or cpu_threads(count)  # the picks
+    columns = {
+        f"{threads} threads (before)": (threads, 0),
+        "1 thread": (1, 0),
+        "trial steps, then the faster (now)": (threads, trials),
+    }
+    picks = {"quiet": [], "one core busy": []}  # the thread count the last column decoded on
+    seconds = {(machine, column): [] for machine in picks for column in columns}
+    gen, sample = torch.Generator().manual_seed(0), SamplingParams(temperature=1.0)
+    spin = [sys.executable, "-c", "while True: pass"]
+    for _ in range(rounds):
+        for machine, picked in picks.items():
+            spinner = subprocess.Popen(spin) if machine != "quiet" else None
+            for column, (count, steps) in columns.items():
+                generation.THREAD_TRIALS = steps
+                with cpu_threads(count):
+                    run = timed(lambda: generate(model, prompt, n, sample, gen))
+                seconds[machine, column].append(run)
+            picked.append(used[-1])
+            if spinner:
+                spinner.kill()
+                spinner.wait()
+    generation.THREAD_TRIALS, generation.cpu_threads = trials, cpu_threads
+    head(f"KV cache (float32) tok/s | {' | '.join(columns)} | picked", "lrrrl")
+    for machine, picked in picks.items():
+        tok_s = [f"{statistics.median(n / t for t in seconds[machine, c]):,.1f}" for c in columns]
+        row([machine, *tok_s, ", ".join(map(str, picked))])
 
 
 def main() -> None:
@@ -208,6 +249,9 @@ def main() -> None:
         dtype = str(m.lm_head.weight.dtype).removeprefix("torch.")
         line = [name, dtype, f"{mb / 1e6:.0f}", f"{roof:,.0f}", f"{tok_s:,.1f}"]
         row([*line, f"{of_roof:.0%}", f"{vs:.1f}x"])
+    if threads > 1:
+        print()
+        busy_core(GPT(GPTConfig(**SHAPE)).eval(), prompt, n, args.rounds)
 
 
 if __name__ == "__main__":

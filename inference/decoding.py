@@ -16,6 +16,8 @@ layout, the model's code unchanged.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -80,6 +82,17 @@ def decoding_copy(model: nn.Module, parts: int | None = None) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(module, name, SplitLinear(child, parts))
     return decoder
+
+
+@contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """torch's CPU threads set to `n` inside the block, and back to what they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def bf16_decoding_speedup(shape: tuple[int, int] = (768, 32768), repeats: int = 3) -> float:

@@ -1,18 +1,31 @@
 """Generation: the KV cache changes the speed, never the tokens; the window each token sees is
-the documented one (half to a full block_size); sampling is seeded, filtered and exact."""
+the documented one (half to a full block_size); sampling is seeded, filtered and exact; on a
+CPU, decoding runs on the thread count measured faster, with the same logits at either."""
 
 from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.generate import SamplingParams, TokenContext, generate, next_token, stream_tokens
+from inference.decoding import cpu_threads
+from inference.generate import (
+    THREAD_TRIALS,
+    SamplingParams,
+    TokenContext,
+    generate,
+    next_token,
+    stream_tokens,
+)
 from model import ATTENTION_IMPLS, GPT
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 
 BLOCK = 16  # tiny_config's block_size
+generation = importlib.import_module("inference.generate")  # the module, not the function
 
 
 @pytest.fixture
@@ -149,6 +162,36 @@ def test_zero_new_tokens_returns_the_prompt(model):
 def test_an_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="end-of-text"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_generation_decodes_on_the_thread_count_measured_faster_with_the_same_logits(monkeypatch):
+    """A core busy with other work, injected as a clock on which a step takes 10 s on `slow`
+    threads and 1 s on the other count: after its trial steps, generation decodes on the other
+    count; torch's count is restored; and every step's logits are the same bits at either count
+    (the blocks fix the order of the sums)."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_embd=64, n_head=4, vocab_size=512)).eval()  # BLAS-sized blocks
+    logits, clock, slow, steps = TokenContext.logits, [0.0], 0, []
+
+    def spy(self: TokenContext) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        clock[0] += 10.0 if threads == slow else 1.0
+        steps.append((threads, logits(self)))
+        return steps[-1][1]
+
+    monkeypatch.setattr(TokenContext, "logits", spy)
+    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    trials, runs = 1 + 2 * THREAD_TRIALS, {}  # the prompt's step, then the trial steps
+    with cpu_threads(2):  # a decoding copy in 2 blocks
+        for slow in (2, 1):
+            steps = []
+            prompt, params = torch.tensor([[1, 2, 3]]), SamplingParams(temperature=0)
+            tokens = generate(model, prompt, trials + 4, params)
+            fast = steps[9 if slow == 2 else trials :]  # 2 threads twice as slow: 4 trials each
+            assert {threads for threads, _ in fast} == {3 - slow}
+            assert torch.get_num_threads() == 2
+            runs[slow] = tokens, torch.cat([step for _, step in steps])
+    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2], strict=True))
 
 
 def chi_square(draws: torch.Tensor, probs: torch.Tensor) -> float:
