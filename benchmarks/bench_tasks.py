@@ -1,16 +1,16 @@
 """Benchmark: downstream-task items/s, ours against lm-evaluation-harness on the same items.
 
-Both score the same HellaSwag-format items (synthesized from the embedded plays: a line for
-context, the start of the next for ctx_b, its true rest and three other lines' rests as the
-endings; the hub is not needed) with the same weights: a randomly initialised GPT-2 of the
-chosen preset, saved by transformers and exported by export.py, which the harness loads as
-`--model hf` and we load as `checkpoint=`. Ours is `trainer.tasks.score_task` (the shared context
-once, the endings batched from its KV cache); the harness's is `simple_evaluate` on the same
-local file through its own `hellaswag` preprocessing. Both are timed from reading the items
-to the metrics, after the model is loaded. The two
-accuracies must agree: they are the same definition on the same weights. Both run float32 with
-torch's default threads, interleaved over --rounds. lm_eval runs in its own environment
-(`--harness-python`, a Python with `pip install lm_eval`). Run from anywhere:
+Both score the same HellaSwag-format items (synthesized from the embedded plays: two lines for
+context, about HellaSwag's length, the start of the next line for ctx_b, its true rest and
+three other lines' rests as the endings; the hub is not needed) with the same weights: a
+randomly initialised GPT-2 of the chosen preset, saved by transformers and exported by
+export.py, which the harness loads as `--model hf` and we load as `checkpoint=`. Ours is
+`trainer.tasks.score_task` (the shared context once, the endings batched from its KV cache);
+the harness's is `simple_evaluate` on the same local file through its own `hellaswag`
+preprocessing. Both are timed from reading the items to the metrics, after the model is
+loaded. The two accuracies must agree: the same definition on the same weights. Both run
+float32 with torch's default threads, interleaved over --rounds. lm_eval runs in its own
+environment (`--harness-python`, a Python with `pip install lm_eval`). Run from anywhere:
 ``python benchmarks/bench_tasks.py --harness-python <venv>/bin/python [--items N] [--model P]``.
 """
 
@@ -71,13 +71,13 @@ def play_items(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     items = []
     for i in range(n):
-        j = rng.randrange(len(lines) - 2)
-        words = lines[j + 1].split()
+        j = rng.randrange(len(lines) - 3)
+        words = lines[j + 2].split()
         endings = [" ".join(lines[rng.randrange(len(lines))].split()[3:]) for _ in range(3)]
         label = rng.randrange(4)
         endings.insert(label, " ".join(words[3:]))
         items.append({
-            "ind": i, "activity_label": "Tragedy", "ctx_a": lines[j],
+            "ind": i, "activity_label": "Tragedy", "ctx_a": f"{lines[j]} {lines[j + 1]}",
             "ctx_b": " ".join(words[:3]), "endings": endings, "label": str(label),
         })  # fmt: skip
     return items
@@ -114,7 +114,12 @@ def ours(model_dir: Path, items: Path, n: int) -> dict:
     start = time.perf_counter()  # from the file, as the harness's time is
     task = load_task(cfg, ckpt.tokenizer(), ckpt.model.config.block_size)
     metrics = score_task(ckpt.model, task, Precision(torch.device("cpu"), torch.float32))
-    return {"seconds": time.perf_counter() - start, **metrics}
+    seconds = time.perf_counter() - start
+    # Tokens through the model per item: the context once and the choices padded to the
+    # longest, against every choice with its whole context (the harness's, at batch size 1).
+    mine = sum(len(i.context) + len(i.choices) * max(map(len, i.choices)) for i in task.items)
+    theirs = sum(len(i.context) + len(c) - 1 for i in task.items for c in i.choices)
+    return {"seconds": seconds, "tokens": mine / n, "their_tokens": theirs / n, **metrics}
 
 
 def harness(python: str, model_dir: Path, task_dir: Path, n: int, batch: int) -> dict:
@@ -158,6 +163,9 @@ def main() -> None:
                 row([f"lm_eval --model hf, batch_size {batch}", f"{their_rate:.2f}",
                      f"{theirs['acc']:.4f}", f"{theirs['acc_norm']:.4f}",
                      f"{rate / their_rate:.2f}x"])  # fmt: skip
+        print(f"\nTokens through the model per item: {mine['tokens']:.0f} ours (the context "
+              f"once, the choices batched), {mine['their_tokens']:.0f} the harness's (each "
+              "choice with its context; batch_size > 1 also pads).")  # fmt: skip
 
 
 if __name__ == "__main__":
