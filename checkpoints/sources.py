@@ -25,7 +25,6 @@ from base.errors import ConfigError
 from checkpoints.hf import WEIGHT_FILES, load_hf_gpt2
 from checkpoints.store import MANIFEST_FILE, Checkpoint, CheckpointError, load_checkpoint
 from checkpoints.store import resolve_checkpoint as resolve_our_checkpoint
-from data.tokenizer import GPT2_N_VOCAB
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
@@ -74,12 +73,6 @@ def load_hf_dir(path: Path, device: str | torch.device = "cpu", **overrides: Any
         raise CheckpointError(
             f"{path} holds a {model_type!r} model; Hugging Face directories must hold GPT-2 "
             "(model_type 'gpt2' in config.json)"
-        )
-    if (n_vocab := config.get("vocab_size")) != GPT2_N_VOCAB:  # e.g. an export of a bytes model
-        raise CheckpointError(
-            f"{path} has a vocabulary of {n_vocab} tokens, not GPT-2's {GPT2_N_VOCAB}: only "
-            "GPT-2-tokenized models load from Hugging Face directories; use the checkpoint it "
-            "was exported from"
         )
     try:
         model = load_hf_gpt2(path, **overrides)

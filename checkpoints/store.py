@@ -68,8 +68,16 @@ class Checkpoint:
 
     def tokenizer(self) -> tiktoken.Encoding:
         """The tokenizer the model was trained with, from the checkpoint alone (a trained one
-        from its verified copy of tokenizer.json)."""
-        return load_tokenizer(self.tokenizer_name, self.path)
+        from its verified copy of tokenizer.json). A model with fewer rows than the tokenizer
+        has ids (a Hugging Face export of a bytes or bpe model, read as GPT-2) is refused."""
+        tokenizer = load_tokenizer(self.tokenizer_name, self.path)
+        if self.model.config.vocab_size < tokenizer.n_vocab:
+            raise CheckpointError(
+                f"{self.path} has a vocabulary of {self.model.config.vocab_size} tokens, fewer "
+                f"than its tokenizer {self.tokenizer_name}'s {tokenizer.n_vocab}: a Hugging Face "
+                "dir must hold a GPT-2-tokenized model; use the checkpoint it was exported from"
+            )
+        return tokenizer
 
     def same_tokenizer(self, data: PreparedData) -> bool:
         """Whether `data` is tokenized exactly as this model's training data was (a trained
