@@ -102,6 +102,9 @@ class TrainSettings:
         boolean("train.check_causality", self.check_causality)
         if self.eval_task_items is not None:
             positive_int("train.eval_task_items", self.eval_task_items)
+        ok = isinstance(self.eval_tasks, (list, tuple))
+        check("train.eval_tasks", self.eval_tasks, ok, "a list like [hellaswag,arc_easy]")
+        self.eval_tasks = [str(name) for name in self.eval_tasks]
         for name in self.eval_tasks:
             task_config(name)  # an unknown task fails here, before the run dir is made
 
