@@ -125,14 +125,12 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
             f"task {name}: unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}"
         )
     fields, build = FORMATS[fmt]
-    path, split, files = cfg["path"], cfg["split"], cfg.get("data_files")
-    if files:
+    path, subset, split, files = cfg["path"], cfg.get("subset"), cfg["split"], cfg.get("data_files")
+    if files:  # a local file: its format's builder, no subset
         suffix = Path(files).suffix
         path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix, suffix[1:])
-        files = {split: str(Path(files).expanduser())}
-    ds = load_dataset(
-        path, None if cfg.get("data_files") else cfg.get("subset"), split, data_files=files
-    )
+        subset, files = None, {split: str(Path(files).expanduser())}
+    ds = load_dataset(path, subset, split, data_files=files)
     if missing := [f for f in fields if f not in ds.column_names]:
         raise DataError(
             f"task {name}: the items have no field {', '.join(missing)} "
@@ -170,29 +168,29 @@ def score_choices(model: GPT, item: Item, precision: Precision) -> tuple[list[fl
     inputs, n = [s[:-1] for s in seqs], len(seqs)
     # The prefix the inputs share, up to the first scored position, leaving a token to batch.
     first_scored = min(len(x) - len(c) for x, c in zip(inputs, item.choices, strict=True))
-    p = min(len(os.path.commonprefix(inputs)), first_scored + 1, max(map(len, inputs)) - 1)
+    longest = max(map(len, inputs))
+    p = min(len(os.path.commonprefix(inputs)), first_scored + 1, longest - 1)
     shared = p > 0
     prefix = [inputs[0][:p]] if shared else [x[:1] for x in inputs]
     p = max(p, 1)
     device = precision.device
-    cache = model.new_kv_cache(len(prefix), max(map(len, inputs)))
+    cache = model.new_kv_cache(len(prefix), longest)
     with precision.autocast():
         h = model.hidden_states(torch.tensor(prefix, device=device), cache)  # (1 or n, p, C)
         first = model.logits(h[:, -1:]).expand(n, -1, -1)  # predicts each input's position p
         if shared:  # every choice continues from its own copy of the prefix's keys and values
             cache.k, cache.v = cache.k.repeat(1, n, 1, 1, 1), cache.v.repeat(1, n, 1, 1, 1)
-        width = max(len(x) for x in inputs) - p
-        rest = torch.tensor([x[p:] + [0] * (width - len(x) + p) for x in inputs], device=device)
+        rest = torch.tensor([x[p:] + [0] * (longest - len(x)) for x in inputs], device=device)
         logits = torch.cat([first, model.logits(model.hidden_states(rest, cache))], dim=1)
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # (n, 1 + width, vocab): targets from p
+    logprobs = F.log_softmax(logits.float(), dim=-1)  # (n, longest - p + 1, vocab): targets from p
     lls, greedy = [], []
     for i, (s, c) in enumerate(zip(seqs, item.choices, strict=True)):
         k = len(s) - p  # targets s[p:]; the choice's are the last len(c)
         scored = logprobs[i, k - len(c) : k]  # (len(c), vocab)
         target = torch.tensor(c, device=device)
-        lls.append(scored.gather(1, target[:, None]).sum().item())
-        greedy.append(bool((scored.argmax(-1) == target).all()))
-    return lls, greedy
+        lls.append(scored.gather(1, target[:, None]).sum())
+        greedy.append((scored.argmax(-1) == target).all())
+    return torch.stack(lls).tolist(), torch.stack(greedy).tolist()  # one read of the device each
 
 
 @torch.no_grad()
