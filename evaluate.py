@@ -7,11 +7,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from base.entry import hydra_main
 from base.errors import user_errors
-from trainer.evaluation import evaluate_checkpoint
 
 
 @hydra_main("evaluate")
 def main(cfg: DictConfig) -> None:
+    from trainer.evaluation import evaluate_checkpoint  # once Hydra has checked the config
+
     with user_errors():
         result = evaluate_checkpoint(OmegaConf.to_container(cfg, resolve=True), say=print)
     if "tasks" not in result:

@@ -5,11 +5,12 @@ import sys
 from omegaconf import DictConfig
 
 from base.entry import hydra_main
-from inference.cli import main
 
 
 @hydra_main("sample")
 def sample(cfg: DictConfig) -> None:
+    from inference.cli import main  # once Hydra has checked the config: see train.py
+
     sys.exit(main(cfg))
 
 

@@ -7,15 +7,18 @@ from omegaconf import DictConfig
 
 from base.entry import hydra_main
 from base.errors import user_errors
-from checkpoints.store import CheckpointError
-from trainer.cli import removed_if_failed, run_config, write_run_files
-from trainer.distributed import DistInfo
-from trainer.loop import Trainer, TrainingError, TrainingInterrupted
-from trainer.run_lock import acquire_run_lock
 
 
 @hydra_main("train")
 def main(cfg: DictConfig) -> None:
+    # Imported once Hydra has composed the config: a mistyped key or group is reported before
+    # torch and the trainer load.
+    from checkpoints.store import CheckpointError
+    from trainer.cli import removed_if_failed, run_config, write_run_files
+    from trainer.distributed import DistInfo
+    from trainer.loop import Trainer, TrainingError, TrainingInterrupted
+    from trainer.run_lock import acquire_run_lock
+
     hydra_cfg = HydraConfig.get()
     run_dir, overrides = hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task)
     with user_errors():

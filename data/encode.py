@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from datasets import Dataset, IterableDataset
 
 from data.tokenizer import load_tokenizer, token_dtype
 
+if TYPE_CHECKING:  # `datasets` (pandas, pyarrow) is slow to import: imported where used, so
+    # that checking a config or reading a prepared cache never loads it
+    from datasets import Dataset, IterableDataset
+
 MAP_BATCH_SIZE = 64
-# Below this many documents per process, starting processes costs more than it saves (measured on
-# shakespeare: 38 plays prepare 2x faster with tokenizer threads in one process).
+# Below this many documents per process, starting processes costs more than it saves (38 plays
+# prepare faster with tokenizer threads in one process: docs/performance.md, Data preparation).
 MIN_DOCS_PER_PROC = 1000
 
 
@@ -48,6 +51,8 @@ def write_split(
     dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
     tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``.
     Returns the split's tokens, bytes, documents, seconds and sha256."""
+    from datasets import Dataset
+
     start = time.perf_counter()
     dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
     big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC

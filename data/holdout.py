@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-
-from datasets import Dataset, IterableDataset
+from typing import TYPE_CHECKING
 
 from data.errors import DataError
+
+if TYPE_CHECKING:  # imported where used: see data/encode.py
+    from datasets import Dataset, IterableDataset
 
 
 def check_fraction(fraction: float) -> float:
@@ -24,6 +26,8 @@ def hold_out(
     refuses a split that would leave either side empty); a stream has no length, so each
     document is assigned by a seeded hash of its position.
     """
+    from datasets import Dataset
+
     check_fraction(fraction)
     if isinstance(ds, Dataset):
         parts = ds.train_test_split(test_size=fraction, seed=seed)

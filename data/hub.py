@@ -7,13 +7,14 @@ Every hub dataset is just a config: ``path``, ``subset``, ``text_field``, ``stre
 
 from __future__ import annotations
 
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from data.errors import DataError
 from data.holdout import hold_out
 from data.text_files import expand_files, file_stats
+
+if TYPE_CHECKING:  # imported where used: see data/encode.py
+    import datasets
 
 _CONTENT_KEYS = (
     "path", "subset", "text_field", "train_split", "val_split", "val_fraction", "seed",
@@ -34,6 +35,8 @@ def load_dataset(
 ) -> datasets.Dataset | datasets.IterableDataset:
     """`datasets.load_dataset`, with any failure (offline, unknown repo or split, unreadable
     file: many exception types) as one DataError line."""
+    import datasets
+
     try:
         return datasets.load_dataset(path, subset, split=split, **kwargs)
     except Exception as e:
@@ -46,6 +49,8 @@ def load_dataset(
 
 def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
     """One split with a single ``text`` column, capped at ``max_documents`` if set."""
+    import datasets
+
     ds = load_dataset(
         cfg["path"],
         cfg.get("subset"),

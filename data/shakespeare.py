@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Any
-
-from datasets import Dataset
+from typing import TYPE_CHECKING, Any
 
 from data.errors import DataError
+
+if TYPE_CHECKING:  # imported where used: see data/encode.py
+    from datasets import Dataset
 
 # Part of the public interface: results on this split are comparable across the project.
 VAL_PLAYS = ("julius-caesar", "macbeth", "the-tempest", "twelfth-night")
@@ -39,6 +40,8 @@ def identity(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """One document per play, split by whole plays."""
+    from datasets import Dataset
+
     splits = {"train": {"title": [], "text": []}, "val": {"title": [], "text": []}}
     for name, path in play_files().items():
         split = splits["val" if name in VAL_PLAYS else "train"]

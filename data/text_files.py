@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
-from typing import Any
-
-from datasets import Dataset
+from typing import TYPE_CHECKING, Any
 
 from data.errors import DataError
 from data.holdout import check_fraction
+
+if TYPE_CHECKING:  # imported where used: see data/encode.py
+    from datasets import Dataset
 
 
 def expand_files(patterns: str | list[str] | None, key: str) -> list[Path]:
@@ -100,6 +101,8 @@ def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]
 
 def load(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """``val_files`` when given, else the last ``val_fraction`` of the text (see above)."""
+    from datasets import Dataset
+
     files, errors = _file_lists(cfg), cfg.get("encoding_errors", "strict")
     fix = "convert it to UTF-8, or set data.encoding_errors=replace to read bad bytes as U+FFFD"
     train, val = ([read_utf8(p, f"data.{s}_files", errors, fix) for p in files[s]] for s in files)

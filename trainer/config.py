@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -21,7 +22,6 @@ import yaml
 from base.checks import boolean, check, non_negative_int, number, positive_int
 from base.errors import ConfigError
 from data.config import CONFIG_DIR
-from trainer.tasks import task_config
 
 
 def _yaml(name: str) -> dict[str, Any]:
@@ -31,6 +31,16 @@ def _yaml(name: str) -> dict[str, Any]:
 TRAIN_YAML = _yaml("train.yaml")
 # optim=muon extends optim=adamw with its own keys; adamw's values win where both have one.
 OPTIM_YAML = {**_yaml("optim/muon.yaml"), **_yaml("optim/adamw.yaml")}
+TASKS_DIR = CONFIG_DIR / "task"
+
+
+def task_config(name: str) -> dict[str, Any]:
+    """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
+    path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
+    return yaml.safe_load(path.read_text())
 
 
 def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:

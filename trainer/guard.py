@@ -1,4 +1,4 @@
-"""The causality guard: before any data is prepared, `train.py` checks a shrunk copy of the
+"""The causality guard: before the model is built, `train.py` checks a shrunk copy of the
 configured architecture (same options and code path, tiny sizes: well under a second) with
 model/causality.py, and refuses to train a model that can see the future. Loaded weights
 (train.init_from) cannot be shrunk: the loaded model itself is checked, on a short sequence.

@@ -33,7 +33,7 @@ from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
 from trainer.checkpointing import CheckpointManager, FunctionState
 from trainer.config import RunConfig
-from trainer.console import Progress, format_seconds
+from trainer.console import Counter, Progress, format_seconds
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
@@ -123,11 +123,7 @@ class Trainer:
                 "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
                 "matrices); use parallel.strategy=ddp"
             )
-        # 1. The causality guard, before any data: a shrunk copy of the configured architecture
-        # (with train.init_from, the loaded model itself: see _new_model).
-        if not cfg.train.init_from:
-            self.causality = causality_guard(cfg, verbose=self.dist.is_main)
-        # 2. The machine.
+        # 1. The machine.
         self.device = init_distributed(
             self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
         )
@@ -136,7 +132,8 @@ class Trainer:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
         self.run_dir = Path(from_main(str(run_dir)))
-        # 3. The data (rank 0 alone verifies every byte), then the model it sizes.
+        # 2. The data (rank 0 alone verifies every byte), so that its mistakes are reported
+        # first; then the model it sizes, proved causal (_new_model).
         self.data = run_on_main(lambda: prepare_data(cfg.data))
         check_visible(self.data)
         self.model = self._new_model(self.dist.world_size if sharded else 1)
@@ -149,7 +146,7 @@ class Trainer:
                 )
                 for name in train.eval_tasks
             ]
-        # 4. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
+        # 3. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
         # and the optimizer over the (sharded) parameters.
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -179,7 +176,7 @@ class Trainer:
         )
         if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
-        # 5. The training state, in one place: what `last` holds besides the weights, by name.
+        # 4. The training state, in one place: what `last` holds besides the weights, by name.
         self.state = TrainState()
         self.stateful = {
             "train_state": self.state,
@@ -199,7 +196,7 @@ class Trainer:
         if resume_from is not None:
             self.checkpoints.restore(resume_from, self.stateful)
             self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
-        # 6. Reporting, last: the tracker starts a wandb run, which a failure above must not
+        # 5. Reporting, last: the tracker starts a wandb run, which a failure above must not
         # leave behind. Tokens/s and MFU count every rank's tokens.
         self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size
         peak, self.peak_source = peak_flops(self.precision)
@@ -221,13 +218,18 @@ class Trainer:
 
     def _new_model(self, shards: int) -> GPT:
         """The model on the device: train.init_from's pretrained weights (the source fixes the
-        architecture, and the guard checks those weights causal), else a new one the config and
-        the tokenizer size. Its memory is estimated before it is allocated: a run that cannot
+        architecture), else a new one the config and the tokenizer size. The causality guard
+        checks it first (trainer/guard.py: the loaded weights, or a shrunk copy of the new
+        architecture), and its memory is estimated before it is allocated: a run that cannot
         fit is refused."""
         cfg = self.cfg
-        if cfg.train.init_from:
-            model = pretrained_model(cfg.train.init_from, cfg.model, self.data)
-            self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
+        model = (
+            pretrained_model(cfg.train.init_from, cfg.model, self.data)
+            if cfg.train.init_from
+            else None
+        )
+        self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model)
+        if model is not None:
             config = model.config
         else:  # `vocab_size: null` is the tokenizer's size
             vocab, tokenizer_vocab = cfg.model.get("vocab_size"), self.data.vocab_size
@@ -240,7 +242,7 @@ class Trainer:
         _, memory = check_memory(config, cfg, self.precision, shards)
         if self.dist.is_main:
             print(memory)
-        return (model if cfg.train.init_from else GPT(config)).to(self.device)
+        return (GPT(config) if model is None else model).to(self.device)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
@@ -260,16 +262,27 @@ class Trainer:
     # ----- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, whole_split: bool = False) -> EvalResult:
-        return evaluate(
-            self.model,
-            self.data.tokens("val"),
-            self.data.bytes_per_token("val"),
-            self.cfg.train.batch_size,
-            self.precision,
-            max_batches=None if whole_split else self.cfg.train.eval_steps,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-        )
+        """The eval_steps subset, or the whole split with progress shown as evaluate.py shows
+        it (minutes on a CPU)."""
+        tokens, counter = self.data.tokens("val"), None
+        if whole_split and self.dist.is_main:
+            predicted = len(tokens) - 1
+            self.progress.message(
+                f"final evaluation: the whole validation split, {predicted:,} tokens"
+            )
+            counter = Counter(predicted // self.dist.world_size, "token")
+        with counter or contextlib.nullcontext():
+            return evaluate(
+                self.model,
+                tokens,
+                self.data.bytes_per_token("val"),
+                self.cfg.train.batch_size,
+                self.precision,
+                max_batches=None if whole_split else self.cfg.train.eval_steps,
+                rank=self.dist.rank,
+                world_size=self.dist.world_size,
+                progress=counter,
+            )
 
     # ----- training ------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""train.py's causality guard: before any data is prepared, it checks a shrunk copy of the
-configured architecture, records the result in every checkpoint, and stops a leaky model with
-one `error:` line (the leaky models themselves: tests/model/test_causality_controls.py)."""
+"""train.py's causality guard: once the data is prepared (its mistakes are reported first) and
+before the model is built, it checks a shrunk copy of the configured architecture, records the
+result in every checkpoint, and stops a leaky model with one `error:` line (the leaky models
+themselves: tests/model/test_causality_controls.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.trainer.helpers import ROOT, TINY, compose_run, make_trainer, run_scr
 from trainer.guard import causality_guard
 
 
-def test_the_guard_runs_before_the_data_and_its_record_is_in_every_checkpoint(
+def test_the_guard_runs_after_the_data_and_its_record_is_in_every_checkpoint(
     tmp_path, corpus, monkeypatch
 ):
     order = []
@@ -26,7 +27,7 @@ def test_the_guard_runs_before_the_data_and_its_record_is_in_every_checkpoint(
 
         monkeypatch.setattr(trainer.loop, name, recorded)
     run = make_trainer(tmp_path, corpus, "train.max_steps=2", "train.eval_interval=0")
-    assert order == ["guard", "data"]
+    assert order == ["data", "guard"]
     run.run()
     record = load_checkpoint(tmp_path / "checkpoints" / "last").meta["causality"]
     assert record["checked"] is True and record["causal"] is True

@@ -409,6 +409,20 @@ def test_final_eval_periodic_reuses_the_subset_evaluation_instead_of_the_whole_s
     assert summary["val_loss"] == round(trainer.last_eval[1].loss, 4)
 
 
+def test_the_whole_split_final_evaluation_shows_its_progress(tmp_path, corpus, capsys):
+    """Minutes on a CPU, so never silent: it says what it scores, then (off a terminal) a line
+    per tenth of the tokens, as evaluate.py does, before the closing lines."""
+    trainer = make_trainer(tmp_path, corpus)
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
+    predicted = len(trainer.data.tokens("val")) - 1
+    plan = lines.index(f"final evaluation: the whole validation split, {predicted:,} tokens")
+    pattern = rf"[\d,]+ of {predicted:,} tokens"
+    counts = [i for i, line in enumerate(lines) if re.fullmatch(pattern, line)]
+    done = next(i for i, line in enumerate(lines) if line.startswith("done: "))
+    assert len(counts) >= 5 and plan < counts[0] and counts[-1] < done
+
+
 def test_final_eval_accepts_only_its_three_values():
     with pytest.raises(ConfigError, match=r"train.final_eval must be one of \['whole', 'periodic'"):
         compose_run([], "train.final_eval=subset")

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from checkpoints.store import load_checkpoint
 from tests.trainer.conftest import PLAYS
-from tests.trainer.helpers import ROOT, TINY, run_script
+from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, run_script
 
 
 def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(
@@ -260,3 +260,43 @@ def test_final_eval_none_skips_it_and_the_printed_sample_command_works_from_anyw
     )
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.startswith("Hi")
+
+
+# Runs an entry point in this interpreter, then prints its exit code and which heavy modules
+# it imported.
+IMPORTS_PROBE = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python <script>` does
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    heavy = ("torch", "datasets", "torch.distributed.fsdp", "wandb", "matplotlib")
+    print(e.code, *[m for m in heavy if m in sys.modules])
+"""
+
+
+@pytest.mark.parametrize(
+    "script, override, imported",
+    [
+        ("train.py", "model=nanoo", ""),  # Hydra's own check: nothing heavy at all
+        ("train.py", "trian.max_steps=1", ""),
+        ("sample.py", "tempp=1", ""),
+        ("evaluate.py", "strid=4", ""),
+        ("train.py", "train.batch_size=abc", " torch"),  # the run config checks the model too
+    ],
+)
+def test_a_config_mistake_is_reported_before_the_heavy_imports(
+    tmp_path, script, override, imported
+):
+    """Fail first, start fast: a mistake is one line before torch, datasets, FSDP, wandb or
+    matplotlib load (benchmarks/bench_startup.py times it)."""
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_PROBE, str(ROOT / script), override],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=HANG_SECONDS,
+    )
+    assert done.stdout.strip() == f"2{imported}", done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
