@@ -226,12 +226,18 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
-    return _read_config(path / CONFIG_FILE)
+    return read_config(path)
 
 
-def _read_config(file: Path) -> dict[str, Any]:
-    """config.json: {"model": {...}, "run": {...}, "meta": {...}}, with the values the loader
-    reads from "run" and "meta" of the right type (the "model" fields: GPTConfig checks them)."""
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A complete checkpoint's config.json, {"model": {...}, "run": {...}, "meta": {...}}, with
+    the values the loader reads from "run" and "meta" of the right type (the "model" fields:
+    GPTConfig checks them). Read without hashing the weights: for what a run needs to know
+    before it loads (a resume's config, `best`'s loss); `load_checkpoint` verifies every file."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
+    file = _inside(path, CONFIG_FILE)
     config = _read_json(file)
     if not isinstance(config, dict):
         raise CheckpointError(f"{file}: not a JSON object")

@@ -29,9 +29,9 @@ from checkpoints.store import (
     checkpoint_bytes,
     load_checkpoint,
     prune_step_checkpoints,
+    read_config,
     resume_source,
     save_checkpoint,
-    verify_checkpoint,
 )
 from data import PreparedData
 from model import GPT, GPTConfig
@@ -100,7 +100,7 @@ class CheckpointManager:
         a kill after a `best` write and before the next `last` leaves a `best` that `last`'s
         state does not know, and a worse model must not replace it."""
         try:
-            return float(verify_checkpoint(self.dir / "best")["meta"]["val_loss"])
+            return float(read_config(self.dir / "best")["meta"]["val_loss"])
         except (OSError, KeyError, TypeError, ValueError):  # CheckpointError is a ValueError
             return math.inf
 

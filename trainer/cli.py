@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from base.errors import ConfigError, exit_user_error, user_errors
 from base.files import write_atomic
-from checkpoints.store import resume_source, verify_checkpoint, writable_error
+from checkpoints.store import read_config, resume_source, writable_error
 from model import GPTConfig
 from trainer.config import RunConfig
 from trainer.init_from import RUNTIME_KEYS
@@ -118,10 +118,11 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
 
 def saved_config(resume: str, run_dir: str | Path) -> dict[str, Any] | None:
     """The config of the run `train.resume` continues: its checkpoint's; for `auto` in a run
-    stopped before its first checkpoint, its `.hydra/config.yaml`; None for a new run dir."""
+    stopped before its first checkpoint, its `.hydra/config.yaml`; None for a new run dir.
+    The checkpoint is verified once, when the Trainer loads it."""
     source = resume_source(resume, run_dir)
     if source is not None:
-        return verify_checkpoint(source)["run"]
+        return read_config(source)["run"]
     saved = Path(run_dir) / HYDRA_DIR / "config.yaml"
     return OmegaConf.to_container(OmegaConf.load(saved), resolve=True) if saved.is_file() else None
 

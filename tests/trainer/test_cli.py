@@ -6,10 +6,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import checkpoints.store
 from base.errors import ConfigError
+from checkpoints.store import MODEL_FILE
 from model import load_preset
-from tests.trainer.helpers import CONFIGS, compose_run
-from trainer.cli import resumed_config, saved_config
+from tests.trainer.helpers import CONFIGS, TINY, compose_run, make_trainer
+from trainer.cli import resumed_config, run_config, saved_config
+from trainer.loop import Trainer
 
 
 def config(*overrides: str) -> dict:
@@ -71,6 +74,26 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_its_hydra_config(tmp_
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(SAVED, tmp_path / ".hydra" / "config.yaml")
     assert saved_config("auto", tmp_path) == SAVED
+
+
+def test_a_resume_hashes_its_checkpoint_once(tmp_path, corpus, monkeypatch):
+    """The Hydra callback and train.py each read the resumed run's config (no hashing); the
+    Trainer's load verifies every file of it, once; `best`'s loss is read, not verified."""
+    make_trainer(tmp_path, corpus, "train.max_steps=2").run()
+    hashed = []
+    original = checkpoints.store.sha256_file
+    monkeypatch.setattr(
+        checkpoints.store, "sha256_file", lambda file: hashed.append(file) or original(file)
+    )
+    overrides = [*TINY, *corpus, "train.resume=auto"]
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        cfg = compose("train", overrides=overrides)
+        run_config(cfg, tmp_path, overrides)  # the callback, before Hydra makes the run dir
+        settings, resolved = run_config(cfg, tmp_path, overrides)  # train.py's main
+    trainer = Trainer(settings, tmp_path, resolved)
+    assert trainer.state.step == 2
+    weights = [f for f in hashed if f.name == MODEL_FILE]
+    assert weights == [tmp_path / "checkpoints" / "last" / MODEL_FILE]
 
 
 @pytest.mark.parametrize("preset", ["nano", "mini", "gpt2"])
