@@ -19,6 +19,25 @@ import torch  # noqa: E402
 from data import PreparedData, prepare_data  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+# Text that trips tokenizers: whitespace runs, accents, CJK, emoji, a literal end-of-text.
+TRICKY = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n\n   \n",
+    "multiple     spaces    between",
+    "\u00e9t\u00e9 na\u00efve caf\u00e9 \u00dcbermensch",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \u4e2d\u6587 \ud55c\uad6d\uc5b4",
+    "emoji \U0001f600\U0001f468\u200d\U0001f469\u200d\U0001f467 flags \U0001f1eb\U0001f1f7",
+    "I'm you're we've they'll she'd it's DON'T",
+    "numbers 1234567890 3.14159 1e-10 0x1F",
+    "code: def f(x):\n    return x**2  # comment",
+    "text <|endoftext|> more <|endoftext|>",
+    "\u200b zero width \ufeff bom \u00a0 nbsp",
+    "",
+    " ",
+    "a" * 1000,
+]
+
 
 def tiny_config(**overrides) -> GPTConfig:
     values = dict(vocab_size=101, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0)

@@ -24,16 +24,14 @@ from typing import Any
 import tiktoken
 import torch
 import torch.nn.functional as F
-import yaml
 
 from base.errors import ConfigError
 from data.errors import DataError
 from data.hub import load_dataset
 from hardware.device import Precision
 from model import GPT, eval_mode
+from trainer.config import task_config
 from trainer.distributed import all_reduce_sum, in_lockstep
-
-TASKS_DIR = Path(__file__).resolve().parent.parent / "configs" / "task"
 
 
 def _clean(text: str) -> str:
@@ -91,15 +89,6 @@ class Task:
     items: list[Item]
 
 
-def task_config(name: str) -> dict[str, Any]:
-    """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
-    path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
-    return yaml.safe_load(path.read_text())
-
-
 def encode_pair(
     tokenizer: tiktoken.Encoding, context: str, choice: str
 ) -> tuple[list[int], list[int]]:
@@ -130,7 +119,16 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
         suffix = Path(files).suffix
         path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix, suffix[1:])
         subset, files = None, {split: str(Path(files).expanduser())}
-    ds = load_dataset(path, subset, split, data_files=files)
+    try:
+        ds = load_dataset(path, subset, split, data_files=files)
+    except DataError as e:
+        if files:
+            raise
+        raise DataError(
+            f"task {name}: {e}; or score a local copy of the items: task.data_files=<file> "
+            "(in train.eval_tasks, a task .yaml that sets data_files); docs/evaluation.md "
+            "says where to get each task's file"
+        ) from e
     if missing := [f for f in fields if f not in ds.column_names]:
         raise DataError(
             f"task {name}: the items have no field {', '.join(missing)} "

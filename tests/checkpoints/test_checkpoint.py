@@ -17,18 +17,8 @@ from checkpoints.store import (
     save_checkpoint,
 )
 from model import GPT
+from tests.checkpoints.conftest import save
 from tests.conftest import tiny_config
-
-
-def save(path, step=0, **kw):
-    torch.manual_seed(step)
-    return save_checkpoint(
-        path,
-        GPT(tiny_config(**kw)),
-        {"data": {"tokenizer": "gpt2"}},
-        {"step": step},
-        {"step": step, "rng": torch.get_rng_state()},
-    )
 
 
 def test_round_trip_keeps_weights_config_and_trainer_state(tmp_path):

@@ -14,8 +14,7 @@ from data.bpe import train_bpe
 from data.tokenizer import get_tokenizer, load_tokenizer, parse_tokenizer
 from model import GPT
 from model.config import load_preset
-from tests.conftest import tiny_config
-from tests.data.test_tokenizer import TRICKY
+from tests.conftest import TRICKY, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

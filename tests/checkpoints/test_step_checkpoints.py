@@ -7,7 +7,7 @@ import os
 import shutil
 
 from checkpoints.store import MANIFEST_FILE, prune_step_checkpoints, verify_checkpoint
-from tests.checkpoints.test_checkpoint import save
+from tests.checkpoints.conftest import save
 
 
 def written(ckpt_dir, *steps):

@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.trainer.test_tasks import CPU, GPT2, model_for
+from tests.trainer.conftest import CPU, GPT2, model_for
 from trainer.distributed import DistInfo, wrap_model
 from trainer.tasks import load_task, score_task, task_config
 

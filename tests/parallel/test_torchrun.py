@@ -18,8 +18,8 @@ import torch
 
 from checkpoints.store import load_checkpoint
 from tests.parallel.worker import PROBE
+from tests.trainer.conftest import CPU, GPT2, HELLASWAG, model_for, write_jsonl
 from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer
-from tests.trainer.test_tasks import CPU, GPT2, HELLASWAG, model_for, write_jsonl
 from trainer.tasks import load_task, score_task, task_config
 
 pytestmark = pytest.mark.slow

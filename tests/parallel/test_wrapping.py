@@ -13,7 +13,7 @@ from inference import SamplingParams, generate
 from inference.decoding import decodes_from_a_copy
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.test_tasks import CPU, GPT2, local_task, model_for
+from tests.trainer.conftest import CPU, GPT2, local_task, model_for
 from trainer import distributed
 from trainer.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
 from trainer.tasks import load_task, score_task
