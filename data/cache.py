@@ -13,14 +13,11 @@ torchrun rank) gets them from ``prepare_data()``.
 
 Cost. A token file's sha256 is computed while it is written (no extra pass). Verifying checks
 all sizes first (free: a truncated file fails without reading anything), then hashes every byte
-in one streaming pass (base.files.sha256_file). Measured on the 2-core dev VM (CPython 3.11
-hashlib, OpenSSL 3, files in the page cache): 0.67-0.74 GB/s on a 1 GB file; Shakespeare's
-gpt2 train split (3.3 MB) hashes in 3-6 ms and the whole directory verifies in under 10 ms. A
-10B-token FineWeb (20 GB of uint16) therefore takes about 30 s (10-15 s on a core that hashes at
-1.5-2 GB/s; estimated, not measured), plus the disk read when the files are not in page cache.
-Under torchrun rank 0 verifies (or rebuilds) first and the other ranks then verify concurrently,
-so startup waits about twice that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare_data()`` prints a
-line before hashing, so the wait is explained.
+in one streaming pass (base.files.sha256_file): milliseconds for Shakespeare, tens of seconds
+for a 10B-token FineWeb (docs/performance.md, Data preparation). Under torchrun rank 0 verifies
+(or rebuilds) first and the other ranks then verify concurrently, so startup waits about twice
+that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare_data()`` prints a line before hashing, so the
+wait is explained.
 """
 
 from __future__ import annotations

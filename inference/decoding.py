@@ -2,13 +2,12 @@
 
 Decoding one token at batch 1 multiplies one vector by every weight matrix, so its speed is how
 fast the weights stream from memory. MKL, torch's CPU BLAS, runs such a product on one core, and
-from nn.Linear's (out, in) layout at a fraction of the bandwidth: on a 2-core AMD EPYC ~10 GB/s
-for a 384 x 50,304 head (GPT-2's padded vocabulary) against ~24 GB/s from an (in, out) copy.
+from nn.Linear's (out, in) layout at a fraction of the bandwidth an (in, out) copy reaches.
 Cut that copy into one block of rows per core and `torch.bmm` runs the blocks side by side,
 each core reading its own part of the matrix against its slice of the input vector; the partial
-sums then add up to the product (~40-48 GB/s for that head on that CPU; against a block of
-columns per core, the head took 1.52 against 1.98 ms and the blocks' small matrices 15-20% less
-time). benchmarks/bench_sample.py prints these figures on any machine. `decoding_copy` gives
+sums then add up to the product (faster than a block of columns per core: the sums stay in
+each core's registers). The figures per CPU are in docs/performance.md (Sampling);
+benchmarks/bench_sample.py prints them on any machine. `decoding_copy` gives
 generation a copy of the model whose Linear layers are `SplitLinear`s: the same values in that
 layout, the model's code unchanged.
 """
@@ -115,9 +114,8 @@ def cpu_decoding_dtype() -> tuple[torch.dtype, str]:
     """(the weights' dtype for generation with dtype=auto on this CPU, a line saying why). A
     decoded token is memory-bound matrix-vector products, not the compute-bound matmuls of
     training that `cpu_auto_dtype` measures: bfloat16 halves the bytes, but pays only where its
-    kernel streams them as fast (on a 2-core AMD EPYC with AVX512-BF16, bf16 matmuls are 2.4x
-    float32's, this probe 0.8-1.1x, a whole bf16 token 0.6-0.7x), so decoding has a probe of
-    its own, measured once."""
+    kernel streams them as fast (a CPU with native bf16 matmuls may still decode slower in bf16:
+    docs/performance.md, Sampling), so decoding has a probe of its own, measured once."""
     return probed_dtype("decoding", bf16_decoding_speedup)
 
 

@@ -71,8 +71,8 @@ def next_token(
     # Inverse-CDF sampling: one uniform u per row, and the first token whose cumulative
     # probability exceeds u * total is token i with probability p_i, the distribution of
     # torch.multinomial(probs, 1). One random number instead of one per vocabulary entry: over
-    # 50k entries ~0.1 ms a token against ~1.7 ms for multinomial or an exponential race
-    # (measured on a 2-core Xeon). The sum is in float64 so that no entry's share is rounded.
+    # 50k entries, a fraction of multinomial's time (docs/performance.md, Sampling). The sum is
+    # in float64 so that no entry's share is rounded.
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
     u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64) * total
@@ -145,8 +145,8 @@ class TokenContext:
 # From a decoding copy, generation times its first decoding steps on torch's threads and on one,
 # alternately, THREAD_TRIALS steps each (it stops early once torch's threads have taken twice one
 # thread's time), then decodes on the faster count. torch splits each product's blocks
-# statically over the threads, so a core busy with other work holds every token (a 2-core AMD
-# EPYC with one core busy: 2 threads ~2x slower than 1). Real steps, not a probe of its own: a
+# statically over the threads, so a core busy with other work holds every token (figures:
+# docs/performance.md, Sampling). Real steps, not a probe of its own: a
 # short probe on a machine whose cores are both busy often meets a moment when they are free.
 # The blocks fix the order of the sums, so the tokens are the same on either count.
 THREAD_TRIALS = 16
