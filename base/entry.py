@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 from unittest import mock
 
@@ -23,6 +23,8 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from base.errors import exit_user_error
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # what every entry point composes
 
 
 def hydra_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:

@@ -1,7 +1,7 @@
 """The user-error boundary: a mistake the user can fix is one `error:` line and exit code 2.
 
-Every error the project raises for bad input derives from ValueError (ConfigError here,
-DataError in data/, CheckpointError in checkpoints/store.py), so one handler covers them all.
+Every error the project raises for bad input derives from ValueError (ConfigError and
+DataError here, CheckpointError in checkpoints/store.py), so one handler covers them all.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ from typing import NoReturn
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what it accepts."""
+
+
+class DataError(ValueError):
+    """A user mistake in the data (bad name, missing file, too little data), said in one line:
+    what was wrong and how to fix it."""
 
 
 def exit_user_error(message: str) -> NoReturn:

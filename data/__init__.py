@@ -1,10 +1,10 @@
-"""Data pipeline: tokenizers, dataset preparation with caching, batch sampling, bits per byte."""
+"""Data: tokenizers (data/tokenizer.py), where documents come from (data/sources.py), their
+cached preparation into token files (data/pipeline.py, `python -m data.prepare`), and batches
+(data/loader.py)."""
 
-from data.config import known_datasets
-from data.errors import DataError
-from data.metrics import bits_per_byte
-from data.pipeline import PreparedData, prepare_data
-from data.sampler import BatchSampler, iter_eval_batches
+from base.errors import DataError
+from data.loader import BatchSampler, bits_per_byte, iter_eval_batches
+from data.pipeline import PreparedData, known_datasets, prepare_data
 from data.tokenizer import get_tokenizer, load_tokenizer
 
 DATASETS: tuple[str, ...] = known_datasets()

@@ -1,30 +1,52 @@
 """Prepare a dataset once: tokenize, write memory-mapped token files and ``meta.json``; reuse.
 
-Training calls :func:`prepare` itself; ``python -m data.prepare`` runs it alone.
+Training calls :func:`prepare_data` itself; ``python -m data.prepare`` runs it alone.
+
+Dataset configs: ``configs/data/<name>.yaml`` is the single source of defaults and names.
+
+Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
+
+A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
+every file it records is intact: each token file ``<split>.bin`` has exactly the size and the
+sha256 recorded under ``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the
+size and sha256 under ``tokenizer_file``. ``meta.json`` is written last, and every file goes
+through a temporary name and an atomic rename (``base.files.atomic_path``), so an interrupted
+preparation never leaves something that passes this check; a file damaged afterwards
+(truncated, overwritten, a flipped bit) fails it with a message naming the file.
+:func:`verify_prepared` is that check, the only one: ``prepare_data()`` runs it whenever it
+reuses a directory, and every reader of token files (training, resuming, ``evaluate.py``, each
+torchrun rank) gets them from ``prepare_data()``.
+
+Cost. A token file's sha256 is computed while it is written (no extra pass). Verifying checks
+all sizes first (free: a truncated file fails without reading anything), then hashes every byte
+in one streaming pass (base.files.sha256_file): milliseconds for Shakespeare, tens of seconds
+for a 10B-token FineWeb (docs/performance.md, Data preparation). Under torchrun rank 0 verifies
+(or rebuilds) first and the other ranks then verify concurrently, so startup waits about twice
+that. From ``ANNOUNCE_BYTES`` (1 GB) on, ``prepare_data()`` prints a line before hashing, so the
+wait is explained.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tiktoken
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from base.entry import CONFIG_DIR
+from base.errors import DataError
 from base.files import atomic_path, sha256_file, write_atomic
-from data.bpe import train_bpe
-from data.cache import META, InvalidCache, fingerprint, verify_prepared
-from data.config import cache_root, resolve_config
-from data.encode import MAP_BATCH_SIZE, write_split
-from data.errors import DataError
-from data.registry import get_source
+from data.sources import get_source
 from data.tokenizer import (
     TOKENIZER_FILE,
     cache_key,
@@ -32,7 +54,195 @@ from data.tokenizer import (
     load_tokenizer,
     parse_tokenizer,
     token_dtype,
+    train_bpe,
 )
+
+if TYPE_CHECKING:  # imported where used: see data/sources.py
+    from datasets import Dataset, IterableDataset
+
+# ----- dataset configs ---------------------------------------------------------------------------
+
+DATA_CONFIG_DIR = CONFIG_DIR / "data"
+
+
+def known_datasets() -> tuple[str, ...]:
+    """Names with a config under ``configs/data/``: adding a yaml there adds a dataset."""
+    return tuple(sorted(p.stem for p in DATA_CONFIG_DIR.glob("*.yaml")))
+
+
+def resolve_config(cfg: Mapping[str, Any] | DictConfig) -> dict[str, Any]:
+    """Overlay ``cfg`` on the defaults of its named dataset, so ``{"name": "shakespeare"}``
+    means the same as the Hydra-composed ``data=shakespeare``."""
+    user = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    name = user.get("name")
+    if not name:
+        raise DataError(f"data config has no 'name'; known datasets: {', '.join(known_datasets())}")
+    path = DATA_CONFIG_DIR / f"{name}.yaml"
+    if path.is_file():
+        defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        return {**defaults, **user}
+    if "source" in user:  # a dataset defined entirely by the caller's own config
+        return user
+    raise DataError(f"unknown dataset {name!r}; known: {', '.join(known_datasets())}")
+
+
+def cache_root(cfg: Mapping[str, Any]) -> Path:
+    """Where prepared data lives; never relative to cwd, so scripts work from any directory."""
+    configured = cfg.get("cache_dir") or os.environ.get("CAUSALGPT_CACHE")
+    root = Path(configured) if configured else Path.home() / ".cache" / "causalgpt"
+    return root.expanduser().resolve()
+
+
+# ----- the cache: fingerprints and the one validity check ----------------------------------------
+
+# Bump when the token file layout or what meta.json must record changes, to invalidate old
+# caches. 2: meta.json records each token file's sha256.
+FORMAT_VERSION = 2
+META = "meta.json"
+ANNOUNCE_BYTES = 1_000_000_000  # verifying more than this (over ~1 s) is announced
+
+
+class InvalidCache(Exception):
+    """A prepared directory that must not be used; the one-line message names the file."""
+
+
+def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
+    """sha256 over everything that determines the token files."""
+    blob = json.dumps(
+        {"format": FORMAT_VERSION, "tokenizer": tokenizer, "source": source}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def verify_prepared(
+    directory: Path, expected_fingerprint: str, announce: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The directory's meta if it is a complete, intact preparation of ``expected_fingerprint``.
+
+    Raises ``FileNotFoundError`` when there is no ``meta.json`` (never prepared here, or
+    interrupted before the end) and :class:`InvalidCache` naming the file that fails otherwise.
+    ``announce`` gets one line before hashing ``ANNOUNCE_BYTES`` or more.
+    """
+    path = directory / META
+    text = path.read_text()  # FileNotFoundError: never prepared here, or interrupted
+    try:
+        meta = json.loads(text)
+        if meta["fingerprint"] != expected_fingerprint:
+            raise InvalidCache(f"{path} is for another fingerprint ({meta['fingerprint']})")
+        # (path, size, sha256) of every file meta.json vouches for: token files, tokenizer file
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        files = [
+            (directory / f"{split}.bin", stats["tokens"] * itemsize, str(stats["sha256"]))
+            for split, stats in meta["splits"].items()
+        ]
+        if (entry := meta.get("tokenizer_file")) is not None:
+            files.append(
+                (directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"]))
+            )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
+    try:
+        for file, size, _ in files:
+            if (actual := file.stat().st_size) != size:
+                raise InvalidCache(
+                    f"{file} has {actual:,} bytes but {META} records {size:,} "
+                    "(truncated or overwritten)"
+                )
+        total = sum(size for _, size, _ in files)
+        if announce is not None and total >= ANNOUNCE_BYTES:
+            announce(
+                f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
+                "(every byte is read and hashed, at about 0.7-2 GB/s)"
+            )
+        for file, _, expected in files:
+            if (actual := sha256_file(file)) != expected:
+                raise InvalidCache(
+                    f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
+                    f"{META} records {expected[:12]}...)"
+                )
+    except OSError as e:  # a recorded file that is missing or unreadable
+        raise InvalidCache(f"{e.filename} cannot be read ({e.strerror})") from e
+    return meta
+
+
+# ----- tokenizing a split into its token file ----------------------------------------------------
+
+MAP_BATCH_SIZE = 64
+# Below this many documents per process, starting processes costs more than it saves (38 plays
+# prepare faster with tokenizer threads in one process: docs/performance.md, Data preparation).
+MIN_DOCS_PER_PROC = 1000
+
+
+def encode_documents(
+    batch: dict[str, list], tokenizer: str, tokenizer_dir: Path, num_threads: int
+) -> dict[str, list]:
+    """``datasets.map`` worker: each non-empty document becomes ``[eot, *tokens]``.
+
+    The leading end-of-text token separates documents and gives every document's first token
+    the same context; UTF-8 byte counts of the raw text are kept for bits-per-byte.
+    """
+    enc = load_tokenizer(tokenizer, tokenizer_dir)
+    texts = [t for t in batch["text"] if t]
+    ids = enc.encode_ordinary_batch(texts, num_threads=num_threads)
+    return {
+        "ids": [np.array([enc.eot_token, *x], dtype=np.uint32) for x in ids],
+        "nbytes": [len(t.encode("utf-8")) for t in texts],
+    }
+
+
+def write_split(
+    docs: Dataset | IterableDataset,
+    path: Path,
+    tokenizer: str,
+    tokenizer_dir: Path,
+    num_proc: int,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """Write the concatenated tokens of ``docs`` to ``path``, hashing them on the way (no second
+    pass over the file); stop after the document that reaches ``max_tokens``. A large finite
+    dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
+    tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``.
+    Returns the split's tokens, bytes, documents, seconds and sha256."""
+    from datasets import Dataset
+
+    start = time.perf_counter()
+    dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
+    big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
+    multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
+    threads = 1 if multiprocess else num_proc
+    if big:  # through datasets.map, for its worker processes and its progress bar (a small
+        # split's bar would only add noise to the console's one summary line per split)
+        kwargs = {"tokenizer": tokenizer, "tokenizer_dir": tokenizer_dir, "num_threads": threads}
+        tokenized = docs.map(
+            encode_documents,
+            batched=True,
+            batch_size=MAP_BATCH_SIZE,
+            fn_kwargs=kwargs,
+            remove_columns=["text"],
+            **({"num_proc": num_proc} if multiprocess else {}),
+        )
+        batches = tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
+    else:  # in this process, with `threads` tokenizer threads
+        batches = (
+            encode_documents(batch, tokenizer, tokenizer_dir, threads)
+            for batch in docs.iter(batch_size=MAP_BATCH_SIZE)
+        )
+    rows = (row for batch in batches for row in zip(batch["ids"], batch["nbytes"], strict=True))
+    tokens = nbytes = documents = 0
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for ids, size in rows:
+            chunk = np.asarray(ids, dtype=dtype).tobytes()
+            f.write(chunk)
+            digest.update(chunk)
+            tokens, nbytes, documents = tokens + len(ids), nbytes + int(size), documents + 1
+            if max_tokens is not None and tokens >= max_tokens:
+                break
+    seconds, sha256 = time.perf_counter() - start, digest.hexdigest()
+    return dict(tokens=tokens, bytes=nbytes, documents=documents, seconds=seconds, sha256=sha256)
+
+
+# ----- preparing, or reusing, a dataset ----------------------------------------------------------
 
 
 @dataclass
@@ -129,7 +339,7 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
 def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
     """Return the prepared dataset named by ``cfg``, building it unless a valid cache exists.
 
-    A cache directory is reused only after :func:`data.cache.verify_prepared` (sizes and sha256
+    A cache directory is reused only after :func:`verify_prepared` (sizes and sha256
     of every file); one that fails is named in one line on stderr and rebuilt, never used.
 
     The cache directory ``<cache_dir>/<name>/<tokenizer>-<fingerprint[:12]>`` changes whenever

@@ -15,10 +15,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 
-from base.errors import user_errors
-from data.config import CONFIG_DIR, known_datasets
-from data.errors import DataError
-from data.pipeline import prepare_data
+from base.entry import CONFIG_DIR
+from base.errors import DataError, user_errors
+from data.pipeline import known_datasets, prepare_data
 
 
 def _compose(overrides: list[str]) -> DictConfig:

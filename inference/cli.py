@@ -20,7 +20,7 @@ from base.checks import check, is_int
 from base.errors import user_errors
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
-from data.text_files import read_utf8
+from data.sources import read_utf8
 from hardware.device import resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.decoding import decoding_dtype

@@ -71,6 +71,6 @@ def test_every_import_of_the_tests_and_benchmarks_is_declared_with_the_dev_extra
 
 
 def test_an_undeclared_import_is_caught(tmp_path):
-    """Negative control: without `regex` in the list, data/bpe.py's import is reported."""
+    """Negative control: without `regex` in the list, data/tokenizer.py's import is reported."""
     declared = _declared(PROJECT["dependencies"]) - {"regex"}
-    assert "regex" in _undeclared([ROOT / "data" / "bpe.py"], declared)
+    assert "regex" in _undeclared([ROOT / "data" / "tokenizer.py"], declared)

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from base.checks import boolean, check, non_negative_int, number, positive_int
+from base.entry import CONFIG_DIR
 from base.errors import ConfigError
-from data.config import CONFIG_DIR
 
 
 def _yaml(name: str) -> dict[str, Any]:

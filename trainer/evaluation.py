@@ -15,7 +15,7 @@ from base.checks import check, is_int
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
 from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
-from data.text_files import read_utf8
+from data.sources import read_utf8
 from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
 from trainer.console import Counter

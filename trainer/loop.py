@@ -26,8 +26,7 @@ import torch
 
 from base.errors import ConfigError
 from data import prepare_data
-from data.prefetch import PrefetchingSampler
-from data.sampler import BatchSampler
+from data.loader import BatchSampler, PrefetchingSampler
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode

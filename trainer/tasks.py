@@ -25,9 +25,8 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from base.errors import ConfigError
-from data.errors import DataError
-from data.hub import load_dataset
+from base.errors import ConfigError, DataError
+from data.sources import load_dataset
 from hardware.device import Precision
 from model import GPT, eval_mode
 from trainer.config import task_config

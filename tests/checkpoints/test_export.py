@@ -10,8 +10,7 @@ from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from checkpoints.hf import FIELDS, Field, Need, hf_keys
 from checkpoints.store import save_checkpoint
-from data.bpe import train_bpe
-from data.tokenizer import get_tokenizer, load_tokenizer, parse_tokenizer
+from data.tokenizer import get_tokenizer, load_tokenizer, parse_tokenizer, train_bpe
 from model import GPT
 from model.config import load_preset
 from tests.conftest import TRICKY, tiny_config

@@ -1,4 +1,5 @@
-"""The built-in bytes tokenizer and BPE trained on a dataset's training split (data/bpe.py)."""
+"""The built-in bytes tokenizer and BPE trained on a dataset's training split
+(data/tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import regex
 
 import data.pipeline
 from data import DataError, PreparedData, get_tokenizer, load_tokenizer, prepare_data
-from data.bpe import BPE, PATTERN, train_bpe
-from data.cache import InvalidCache, verify_prepared
-from data.shakespeare import VAL_PLAYS, play_files
-from data.tokenizer import TOKENIZER_FILE, parse_tokenizer
+from data.pipeline import InvalidCache, verify_prepared
+from data.sources import VAL_PLAYS, play_files
+from data.tokenizer import BPE, PATTERN, TOKENIZER_FILE, parse_tokenizer, train_bpe
 from tests.conftest import TRICKY
 
 

@@ -11,7 +11,7 @@ import pytest
 from datasets import Dataset, IterableDataset
 
 from data import DataError, get_tokenizer, prepare_data
-from data.hub import load_split
+from data.sources import load_split
 
 DOCS = [f"Story {i}: once upon a time there was a caf\u00e9 number {i}." for i in range(40)]
 
@@ -96,7 +96,7 @@ def test_zero_tokens_is_an_error(tmp_path: Path) -> None:
 
 
 def test_hub_configs_name_the_loader_arguments() -> None:
-    from data.config import resolve_config
+    from data.pipeline import resolve_config
 
     cfg = resolve_config({"name": "tinystories"})
     assert (cfg["path"], cfg["val_split"], cfg["streaming"]) == (

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.prefetch import PrefetchingSampler
-from data.sampler import BatchSampler
+from data.loader import BatchSampler, PrefetchingSampler
 
 
 def _sampler(rank: int = 0) -> BatchSampler:

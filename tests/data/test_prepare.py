@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data.cache
 import data.pipeline
 from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
-from data.cache import InvalidCache, verify_prepared
-from data.text_files import tail_split
+from data.pipeline import InvalidCache, verify_prepared
+from data.sources import tail_split
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -207,7 +206,7 @@ def test_a_big_verification_is_announced(
     prepare_data(cfg)  # 3.6 MB: verified without a word (0.0 GB when announced, below)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith(reuse)
-    monkeypatch.setattr(data.cache, "ANNOUNCE_BYTES", 3_000_000)
+    monkeypatch.setattr(data.pipeline, "ANNOUNCE_BYTES", 3_000_000)
     prepare_data(cfg)
     first, second = capsys.readouterr().out.splitlines()
     assert first == (

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from data import PreparedData, get_tokenizer
-from data.shakespeare import VAL_PLAYS, load, play_files
+from data.sources import VAL_PLAYS, load_shakespeare, play_files
 
 
 def test_split_is_exactly_the_named_plays() -> None:
-    splits = load({})
+    splits = load_shakespeare({})
     assert sorted(splits["val"]["title"]) == sorted(VAL_PLAYS)
     assert set(VAL_PLAYS) == {"julius-caesar", "macbeth", "the-tempest", "twelfth-night"}
     assert len(splits["train"]) == 34
@@ -18,7 +18,7 @@ def test_split_is_exactly_the_named_plays() -> None:
 
 
 def test_no_training_document_in_validation() -> None:
-    splits = load({})
+    splits = load_shakespeare({})
     train_texts = set(splits["train"]["text"])
     assert not train_texts & set(splits["val"]["text"])
 
@@ -26,7 +26,7 @@ def test_no_training_document_in_validation() -> None:
 def test_token_files_decode_back_to_the_plays(shakespeare: PreparedData) -> None:
     enc = get_tokenizer("gpt2")
     eot = enc.decode([enc.eot_token])
-    splits = load({})
+    splits = load_shakespeare({})
     for split in ("train", "val"):
         tokens = shakespeare.tokens(split)
         assert tokens.dtype == np.uint16 and tokens.ndim == 1
@@ -40,7 +40,7 @@ def test_meta_counts_tokens_bytes_and_documents(shakespeare: PreparedData) -> No
     assert meta["dataset"] == "shakespeare" and meta["tokenizer"] == "gpt2"
     assert meta["vocab_size"] == shakespeare.vocab_size == 50257
     assert meta["dtype"] == "uint16"
-    splits = load({})
+    splits = load_shakespeare({})
     for split in ("train", "val"):
         stats = meta["splits"][split]
         assert stats["documents"] == len(splits[split])

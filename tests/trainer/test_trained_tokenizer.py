@@ -15,8 +15,7 @@ from omegaconf import OmegaConf
 
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from data import DataError
-from data.bpe import BPE
-from data.tokenizer import TOKENIZER_FILE
+from data.tokenizer import BPE, TOKENIZER_FILE
 from inference.cli import run as sample
 from tests.trainer.conftest import PLAYS
 from tests.trainer.helpers import CONFIGS, make_trainer

