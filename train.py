@@ -17,7 +17,7 @@ def main(cfg: DictConfig) -> None:
     from trainer.cli import removed_if_failed, run_config, write_run_files
     from trainer.distributed import DistInfo
     from trainer.loop import Trainer, TrainingError, TrainingInterrupted
-    from trainer.run_lock import acquire_run_lock
+    from trainer.preflight import acquire_run_lock
 
     hydra_cfg = HydraConfig.get()
     run_dir, overrides = hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task)

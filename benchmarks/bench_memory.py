@@ -1,4 +1,4 @@
-"""Benchmark: trainer/memory.py's estimated peak of a training step against the measured one.
+"""Benchmark: trainer/preflight.py's estimated peak of a training step against the measured one.
 
 Run from anywhere: ``python benchmarks/bench_memory.py`` (nano, mini and gpt2 presets, a few
 attention, dtype and optimizer variants; a few minutes on a small CPU); ``--help`` for options.
@@ -40,7 +40,7 @@ def child(cell: dict, args: argparse.Namespace) -> dict:
     """One cell in this process: the estimate and the measured peak above the baseline."""
     from data import prepare_data
     from trainer.loop import Trainer
-    from trainer.memory import estimate_memory
+    from trainer.preflight import estimate_memory
 
     settings, resolved = compose(cell, args)
     prepare_data(settings.data, verbose=False)  # loaded before the baseline: not the step's memory

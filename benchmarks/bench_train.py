@@ -17,7 +17,7 @@ tokens/s is batch_size * block_size / that time. MFU is tokens/s * model.flops_p
 peak FLOP/s of hardware/device.py: the datasheet figure of a known GPU, or on a CPU its
 dense-matmul rate in that dtype measured once by this process. The ratio column is each cell's
 tokens/s over its preset's first cell (the baseline, marked). A cell whose estimated memory
-(trainer/memory.py, as train.py checks it) is over 80% of what the device has is skipped.
+(trainer/preflight.py, as train.py checks it) is over 80% of what the device has is skipped.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def too_big(cell: dict, args: argparse.Namespace) -> str | None:
 
     from hardware.device import resolve_device
     from model import GPTConfig, load_preset
-    from trainer.memory import available_memory, estimate_memory
+    from trainer.preflight import available_memory, estimate_memory
 
     values = {**load_preset(cell["preset"]), "block_size": args.block_size}
     config = GPTConfig.from_dict({**values, "vocab_size": args.vocab, "attention": cell["impl"]})

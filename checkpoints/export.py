@@ -252,7 +252,7 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
 
 
 def _causality_lines(record: dict[str, Any]) -> list[str]:
-    """The training guard's record (trainer/guard.py) as the card's bullets: the verdict, the
+    """The training guard's record (trainer/preflight.py) as the card's bullets: the verdict, the
     model it checked, and each check with its positions and largest violation."""
     if not record["checked"]:
         return [f"- Causality check: not run ({record['reason']})"]

@@ -35,8 +35,8 @@ from checkpoints.store import (
 )
 from data import PreparedData
 from model import GPT, GPTConfig
-from trainer.console import format_bytes
 from trainer.distributed import DistInfo, barrier, full_model
+from trainer.reporting import format_bytes
 
 
 class Stateful(Protocol):

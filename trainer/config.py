@@ -85,7 +85,7 @@ class TrainSettings:
     on_nan: str  # stop | skip: what a non-finite loss or gradient does
     sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
     skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
-    check_causality: bool  # check a shrunk copy of the model first (trainer/guard.py)
+    check_causality: bool  # check a shrunk copy of the model first (trainer/preflight.py)
     final_eval: str  # the evaluation at the end: whole | periodic (the eval_steps subset) | none
     eval_tasks: list[str]  # downstream tasks scored at each evaluation (configs/task/ names)
     eval_task_items: int | None  # the first N items of each task (None: all)
@@ -121,7 +121,7 @@ class TrainSettings:
 
 @defaults_from(OPTIM_YAML)
 class OptimSettings:
-    """The optimizer and its learning-rate schedule (trainer/optim.py, trainer/muon.py).
+    """The optimizer and its learning-rate schedule (trainer/optim.py, trainer/optim.py).
 
     name=adamw: AdamW on every parameter. name=muon: Muon on the 2-D weight matrices inside the
     transformer blocks, AdamW (lr, betas, eps, weight_decay) on everything else. The schedule

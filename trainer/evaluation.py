@@ -18,8 +18,8 @@ from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
 from data.sources import read_utf8
 from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
-from trainer.console import Counter
 from trainer.distributed import all_reduce_sum, in_lockstep
+from trainer.reporting import Counter
 from trainer.tasks import load_task, requested_tasks, score_task, task_line
 
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation

@@ -20,11 +20,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from base.errors import ConfigError
+from checkpoints.sources import pretrained_model
 from data import prepare_data
 from data.loader import BatchSampler, PrefetchingSampler
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
@@ -32,7 +33,6 @@ from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
 from trainer.checkpointing import CheckpointManager, FunctionState
 from trainer.config import RunConfig
-from trainer.console import Counter, Progress, format_seconds
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
@@ -51,14 +51,10 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.evaluation import EvalResult, evaluate
-from trainer.guard import causality_guard
-from trainer.init_from import pretrained_model
-from trainer.memory import check_memory
-from trainer.metrics_log import MetricsLog
 from trainer.optim import build_optimizer, lr_scale, set_lr
-from trainer.step_health import Verdict, step_verdict
+from trainer.preflight import causality_guard, check_memory
+from trainer.reporting import Counter, MetricsLog, Progress, Tracker, format_seconds
 from trainer.tasks import load_task, score_task, task_config, task_line
-from trainer.tracking import Tracker
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -92,6 +88,24 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+# What to do with an optimizer step whose loss or gradients are not finite.
+#
+# Two different events look alike: float16 gradients overflowing (routine under a gradient scaler:
+# the scaler lowers its scale and skips the step) and the run diverging (the loss itself is NaN or
+# inf: train.on_nan decides). Only non-finite gradients with a finite loss are the scaler's
+# business; a non-finite loss is divergence whatever the precision, or a diverged float16 run
+# would keep halving its scale forever and never reach train.on_nan.
+Verdict = Literal["step", "scaler_skip", "diverged"]
+
+
+def step_verdict(loss_finite: bool, grads_finite: bool, scaled: bool) -> Verdict:
+    """ "step": apply the update. "scaler_skip": float16 overflow, the scaler skips and backs off
+    (only with a gradient scaler, `scaled`). "diverged": the train.on_nan path."""
+    if loss_finite and grads_finite:
+        return "step"
+    return "scaler_skip" if loss_finite and scaled else "diverged"
 
 
 @contextlib.contextmanager
@@ -218,7 +232,7 @@ class Trainer:
     def _new_model(self, shards: int) -> GPT:
         """The model on the device: train.init_from's pretrained weights (the source fixes the
         architecture), else a new one the config and the tokenizer size. The causality guard
-        checks it first (trainer/guard.py: the loaded weights, or a shrunk copy of the new
+        checks it first (trainer/preflight.py: the loaded weights, or a shrunk copy of the new
         architecture), and its memory is estimated before it is allocated: a run that cannot
         fit is refused."""
         cfg = self.cfg

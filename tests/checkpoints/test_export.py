@@ -181,7 +181,7 @@ def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
         "first_leak": None,
         "model": "a shrunk copy (same options): n_layer=2, n_embd=8, vocab_size=64",
         "seconds": 0.25,
-    }  # the guard's record (trainer/guard.py)
+    }  # the guard's record (trainer/preflight.py)
     meta = {"val_loss": 3.25, "val_bpb": 1.625, "causality": causality}
     card = (export(tmp_path, checkpoint(tmp_path, meta=meta)[0]) / "README.md").read_text()
     assert '"name": "shakespeare"' in card and "Steps: 7" in card

@@ -23,7 +23,7 @@ from model.causality import shrunk_config
 from model.gpt import Block
 from model.rope import RotaryTables
 from trainer.config import RunConfig
-from trainer.guard import causality_guard
+from trainer.preflight import causality_guard
 
 
 def _after_init(monkeypatch: pytest.MonkeyPatch, cls: type, edit: Callable) -> None:

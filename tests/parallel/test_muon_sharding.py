@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer import muon
-from trainer.muon import Muon
+from trainer import optim
+from trainer.optim import Muon
 
 
 def _run(params_file: str, world: int, rank: int = 0, store_file: str | None = None) -> int:
@@ -18,8 +18,8 @@ def _run(params_file: str, world: int, rank: int = 0, store_file: str | None = N
             "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world
         )
     calls = []
-    ns = muon.zeropower_via_newtonschulz5
-    muon.zeropower_via_newtonschulz5 = lambda g, steps: calls.append(1) or ns(g, steps)
+    ns = optim.zeropower_via_newtonschulz5
+    optim.zeropower_via_newtonschulz5 = lambda g, steps: calls.append(1) or ns(g, steps)
     torch.manual_seed(0)
     shapes = [(6, 4), (4, 6), (5, 5), (8, 3), (3, 3)]  # tall ones are returned transposed
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]

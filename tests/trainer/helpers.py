@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import RunConfig
 from trainer.loop import Trainer
-from trainer.metrics_log import METRICS_FILE, read_metrics
+from trainer.reporting import METRICS_FILE, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # The limit on a test's wait for a process: it only turns a hang into a failure. Processes here

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # stdin and then saying "child done": children that could outlive it, sharing its open files.
 HOLDER = """
 import os, subprocess, sys
-from trainer.run_lock import acquire_run_lock
+from trainer.preflight import acquire_run_lock
 acquire_run_lock(sys.argv[1])
 if sys.argv[2:] == ["children"]:
     forked, ready = os.pipe()

@@ -1,6 +1,6 @@
 """The progress line: each value in the unit a reader expects."""
 
-from trainer.console import format_metrics
+from trainer.reporting import format_metrics
 
 
 def test_tokens_per_second_are_whole_tokens_and_mfu_a_percentage():

@@ -11,7 +11,7 @@ import trainer.loop
 from checkpoints.store import load_checkpoint
 from model.attention import CausalSelfAttention
 from tests.trainer.helpers import ROOT, TINY, compose_run, make_trainer, run_script
-from trainer.guard import causality_guard
+from trainer.preflight import causality_guard
 
 
 def test_the_guard_runs_after_the_data_and_its_record_is_in_every_checkpoint(

@@ -19,8 +19,7 @@ from tests.trainer.helpers import HANG_SECONDS, compose_run, losses, make_traine
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError, TrainingInterrupted
-from trainer.muon import Muon
-from trainer.optim import build_optimizer
+from trainer.optim import Muon, build_optimizer
 
 
 class Crash(Exception):

@@ -1,4 +1,4 @@
-"""The memory estimate (trainer/memory.py): a run that cannot fit is refused before it
+"""The memory estimate (trainer/preflight.py): a run that cannot fit is refused before it
 allocates, with fixes that do fit."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from base.errors import ConfigError
 from hardware.device import Precision
 from model import GPTConfig, load_preset
 from tests.trainer.helpers import ROOT, TINY, compose_run
-from trainer import memory
-from trainer.memory import check_memory, estimate_memory
+from trainer import preflight
+from trainer.preflight import check_memory, estimate_memory
 
 
 def preset(name: str, **overrides) -> GPTConfig:
@@ -67,7 +67,7 @@ def budget(monkeypatch):
     """Set the memory `check_memory` sees as available."""
 
     def set_budget(n: int) -> None:
-        monkeypatch.setattr(memory, "available_memory", lambda device: (n, "in this test"))
+        monkeypatch.setattr(preflight, "available_memory", lambda device: (n, "in this test"))
 
     return set_budget
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.trainer.helpers import make_trainer
-from trainer.metrics_log import METRICS_FILE, PLOT_FILE, MetricsLog, draw, read_metrics
+from trainer.reporting import METRICS_FILE, PLOT_FILE, MetricsLog, draw, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Step 2's row as log_steps logs it (100 tokens per step): training values and its evaluation.
@@ -122,7 +122,7 @@ def test_the_plot_includes_the_pending_row(tmp_path, monkeypatch):
         drawn.append(rows)
         path.write_bytes(PNG_MAGIC)
 
-    monkeypatch.setattr("trainer.metrics_log.draw", draw)
+    monkeypatch.setattr("trainer.reporting.draw", draw)
     log = MetricsLog(tmp_path, tokens_per_step=100, step=0)
     log_steps(log, range(1, 3))  # step 2 (with its evaluation) is not written yet
     log.plot()

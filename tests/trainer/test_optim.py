@@ -14,8 +14,15 @@ from tests.trainer.helpers import compose_run
 from trainer.config import ConfigError, OptimSettings
 from trainer.distributed import load_optimizer_state
 from trainer.loop import Trainer
-from trainer.muon import Muon, zeropower_via_newtonschulz5
-from trainer.optim import build_optimizer, is_block_matrix, lr_scale, param_groups, set_lr
+from trainer.optim import (
+    Muon,
+    build_optimizer,
+    is_block_matrix,
+    lr_scale,
+    param_groups,
+    set_lr,
+    zeropower_via_newtonschulz5,
+)
 
 
 def schedule(max_steps: int, **kw) -> list[float]:

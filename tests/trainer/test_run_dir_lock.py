@@ -1,4 +1,4 @@
-"""`python train.py` and the run-directory lock (trainer/run_lock.py), as a user meets it."""
+"""`python train.py` and the run-directory lock (trainer/preflight.py), as a user meets it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from checkpoints.store import load_checkpoint
 from tests.trainer.helpers import ROOT, TINY, run_script
 from tests.trainer.lock_holder import start_holder
-from trainer.run_lock import LOCK_FILE, acquire_run_lock
+from trainer.preflight import LOCK_FILE, acquire_run_lock
 
 
 def test_a_second_train_on_a_held_run_dir_is_refused_touching_nothing(tmp_path, corpus):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.lock_holder import start_holder
-from trainer.run_lock import LOCK_FILE, RunDirLocked, acquire_run_lock
+from trainer.preflight import LOCK_FILE, RunDirLocked, acquire_run_lock
 
 
 def owner_of(run_dir: Path) -> dict:

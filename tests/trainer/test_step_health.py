@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.step_health import step_verdict
+from trainer.loop import step_verdict
 
 
 @pytest.mark.parametrize("scaled", [False, True])

@@ -27,7 +27,7 @@ from tests.trainer.conftest import (
     write_jsonl,
 )
 from tests.trainer.helpers import TINY, make_trainer, run_script
-from trainer.metrics_log import METRICS_FILE, read_metrics
+from trainer.reporting import METRICS_FILE, read_metrics
 from trainer.tasks import (
     encode_pair,
     load_task,

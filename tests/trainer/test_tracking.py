@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.config import WandbSettings
-from trainer.tracking import Tracker
+from trainer.reporting import Tracker
 
 
 def test_a_second_tracker_gets_its_own_run_while_the_first_is_still_open(tmp_path, monkeypatch):
