@@ -48,12 +48,15 @@ def number(key: str, value: Any, low: float = -math.inf, high: float = math.inf)
     return float(check(key, value, low <= value <= high, f"in [{low}, {high}]"))
 
 
+def positive(key: str, value: Any, rule: str = "positive") -> float:
+    """A finite number above 0."""
+    return check(key, value, number(key, value) > 0, rule)
+
+
 def boolean(key: str, value: Any) -> bool:
     return check(key, value, isinstance(value, bool), "true or false")
 
 
 def choice(key: str, value: Any, choices: Sequence[str]) -> str:
     """One of `choices`; the error lists them all."""
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is unknown; choose one of {list(choices)}")
-    return value
+    return check(key, value, value in choices, f"one of {list(choices)}")

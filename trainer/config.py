@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from base.checks import boolean, check, non_negative_int, number, positive_int
+from base.checks import boolean, check, choice, non_negative_int, number, positive, positive_int
 from base.entry import CONFIG_DIR
 from base.errors import ConfigError
 
@@ -54,14 +54,6 @@ def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
         return dataclass(cls)
 
     return decorate
-
-
-def _one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    return check(key, value, value in choices, f"one of {list(choices)}")
-
-
-def _positive(key: str, value: Any, rule: str = "positive") -> float:
-    return check(key, value, number(key, value) > 0, rule)
 
 
 DEFAULT_MAX_STEPS = 250  # train.max_steps: null without train.max_seconds (configs/train.yaml)
@@ -101,13 +93,13 @@ class TrainSettings:
         for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
             non_negative_int(f"train.{name}", getattr(self, name))
         if self.max_seconds is not None:
-            _positive("train.max_seconds", self.max_seconds, "positive or null")
+            positive("train.max_seconds", self.max_seconds, "positive or null")
         resume_ok = self.resume is None or isinstance(self.resume, str)
         check("train.resume", self.resume, resume_ok, "null, auto or a path")
         init_ok = self.init_from is None or isinstance(self.init_from, str)
         check("train.init_from", self.init_from, init_ok, "null, a GPT-2 name or a path")
-        _one_of("train.on_nan", self.on_nan, ("stop", "skip"))
-        _one_of("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
+        choice("train.on_nan", self.on_nan, ("stop", "skip"))
+        choice("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
         boolean("train.skip_memory_check", self.skip_memory_check)
         boolean("train.check_causality", self.check_causality)
         if self.eval_task_items is not None:
@@ -146,10 +138,10 @@ class OptimSettings:
     muon_weight_decay: float  # decoupled, as AdamW's: p -= lr * wd * p
 
     def __post_init__(self) -> None:
-        _one_of("optim.name", self.name, ("adamw", "muon"))
-        _positive("optim.lr", self.lr)
+        choice("optim.name", self.name, ("adamw", "muon"))
+        positive("optim.lr", self.lr)
         if self.embed_lr is not None:
-            _positive("optim.embed_lr", self.embed_lr, "positive or null")
+            positive("optim.embed_lr", self.embed_lr, "positive or null")
         for name in ("min_lr", "weight_decay", "eps", "grad_clip", "muon_weight_decay"):
             number(f"optim.{name}", getattr(self, name), low=0.0)
         if self.min_lr > self.lr:
@@ -158,9 +150,9 @@ class OptimSettings:
         check("optim.betas", self.betas, pair, "a pair like [0.9, 0.95]")
         self.betas = tuple(number("optim.betas", b, 0.0, 0.999999) for b in self.betas)
         non_negative_int("optim.warmup_steps", self.warmup_steps)
-        _one_of("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
+        choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
         number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
-        _positive("optim.muon_lr", self.muon_lr)
+        positive("optim.muon_lr", self.muon_lr)
         momentum = number("optim.muon_momentum", self.muon_momentum)
         check("optim.muon_momentum", momentum, 0 <= momentum < 1, "in [0, 1)")
         boolean("optim.muon_nesterov", self.muon_nesterov)
@@ -176,7 +168,7 @@ class WandbSettings:
     entity: str | None
 
     def __post_init__(self) -> None:
-        _one_of("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
+        choice("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
         check("wandb.tags", self.tags, isinstance(self.tags, (list, tuple)), "a list like [a,b]")
         self.tags = [str(t) for t in self.tags]
 
@@ -189,8 +181,8 @@ class ParallelSettings:
     timeout_s: float  # a collective waiting longer than this fails the job (a rank died)
 
     def __post_init__(self) -> None:
-        _one_of("parallel.strategy", self.strategy, ("ddp", "fsdp"))
-        _positive("parallel.timeout_s", self.timeout_s)
+        choice("parallel.strategy", self.strategy, ("ddp", "fsdp"))
+        positive("parallel.timeout_s", self.timeout_s)
 
 
 @defaults_from({key: TRAIN_YAML[key] for key in ("seed", "device", "dtype", "compile")})
@@ -208,8 +200,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         non_negative_int("seed", self.seed)
-        _one_of("device", self.device, ("auto", "cpu", "cuda", "mps"))
-        _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        choice("device", self.device, ("auto", "cpu", "cuda", "mps"))
+        choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         boolean("compile", self.compile)
         if self.compile and self.model.get("attention") == "flash" and self.model.get("dropout"):
             raise ConfigError(

@@ -236,7 +236,7 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("top_p=1.01", "top_p must be in (0, 1]"),
         ("num_samples=0", "num_samples must be an integer >= 1"),
         ("seed=null", "seed must be an integer >= 0"),
-        ("dtype=float64", "dtype='float64' is unknown"),
+        ("dtype=float64", "dtype must be one of ['auto', 'float32', 'bfloat16', 'float16']"),
         ("device=tpu9", "device='tpu9' is not a device"),
         ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
         ("attention_plot=x.png attention_layer=7", "attention_layer=7 is out of range"),

@@ -92,7 +92,10 @@ def test_full_size_builds_the_configs_model(capsys):
     "override, message",
     [
         ("checkpoint=/no/such/run", "error: no checkpoint found at /no/such/run"),
-        ("model.mlp=bogus", "error: model.mlp='bogus' is unknown"),
+        (
+            "model.mlp=bogus",
+            "error: model.mlp must be one of ['gelu', 'relu2', 'swiglu'], got 'bogus'",
+        ),
         ("seq_len=1", "error: seq_len must be an integer >= 2, got 1"),
         ("attention=fast", "error: attention must be all or one of"),
     ],

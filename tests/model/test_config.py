@@ -90,7 +90,7 @@ def test_the_largest_sizes_are_accepted():
 def test_unknown_choice_lists_the_known_ones(field, choices):
     with pytest.raises(ValueError) as error:
         tiny_config(**{field: "bogus"})
-    assert str(error.value) == f"model.{field}='bogus' is unknown; choose one of {choices}"
+    assert str(error.value) == f"model.{field} must be one of {choices}, got 'bogus'"
 
 
 def test_rope_with_an_odd_head_size_says_why():

@@ -423,5 +423,8 @@ def test_the_whole_split_final_evaluation_shows_its_progress(tmp_path, corpus, c
 
 
 def test_final_eval_accepts_only_its_three_values():
-    with pytest.raises(ConfigError, match=r"train.final_eval must be one of \['whole', 'periodic'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.final_eval must be one of \['whole', 'periodic'",
+    ):
         compose_run([], "train.final_eval=subset")

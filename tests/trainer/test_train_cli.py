@@ -53,7 +53,7 @@ def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(
         ("train.resume=/no/such/run", "error: no checkpoint found at /no/such/run"),
         ("data=nonesuch", "error: data=nonesuch is not in configs/data/; choose one of: "),
         ("train.bogus=1", "error: unknown config key train.bogus; known keys: "),
-        ("model.mlp=bogus", "error: model.mlp='bogus' is unknown; choose one of"),
+        ("model.mlp=bogus", "error: model.mlp must be one of ['gelu', 'relu2', 'swiglu'], got"),
     ],
 )
 def test_bad_input_is_one_clear_error_without_traceback(tmp_path, corpus, override, expected):
