@@ -1,4 +1,5 @@
-"""Export to Hugging Face: `python export.py checkpoint=<dir> out=<dir>` (configs/export.yaml)."""
+"""Export to Hugging Face, `python export.py checkpoint=<dir> out=<dir>`, or to llama.cpp,
+`... out=model.gguf format=gguf` (configs/export.yaml)."""
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -11,7 +12,12 @@ from checkpoints.export import export_checkpoint
 def main(cfg: DictConfig) -> None:
     with user_errors():
         out = export_checkpoint(OmegaConf.to_container(cfg, resolve=True))
-    print(f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')")
+    if cfg.format == "gguf":
+        print(f"wrote {out}: run it with llama.cpp: llama-completion -m {out} -no-cnv -p 'ROMEO:'")
+    else:
+        print(
+            f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"
+        )
 
 
 if __name__ == "__main__":
