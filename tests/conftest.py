@@ -16,7 +16,10 @@ os.environ["CAUSALGPT_CPU_AUTO_DTYPE"] = "float32"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from checkpoints.store import save_checkpoint  # noqa: E402
 from data import PreparedData, prepare_data  # noqa: E402
+from data.bpe import train_bpe  # noqa: E402
+from data.tokenizer import get_tokenizer, parse_tokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 
@@ -24,6 +27,49 @@ def tiny_config(**overrides) -> GPTConfig:
     values = dict(vocab_size=101, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     values.update(overrides)
     return GPTConfig(**values)
+
+
+# Text that tokenizers get wrong: accents, CJK, emoji, whitespace runs, a literal <|endoftext|>
+TRICKY = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n\n   \n",
+    "multiple     spaces    between",
+    "\u00e9t\u00e9 na\u00efve caf\u00e9 \u00dcbermensch",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \u4e2d\u6587 \ud55c\uad6d\uc5b4",
+    "emoji \U0001f600\U0001f468\u200d\U0001f469\u200d\U0001f467 flags \U0001f1eb\U0001f1f7",
+    "I'm you're we've they'll she'd it's DON'T",
+    "numbers 1234567890 3.14159 1e-10 0x1F",
+    "code: def f(x):\n    return x**2  # comment",
+    "text <|endoftext|> more <|endoftext|>",
+    "\u200b zero width \ufeff bom \u00a0 nbsp",
+    "",
+    " ",
+    "a" * 1000,
+]
+
+
+TEXT = "First Citizen:\nBefore we proceed, hear me speak.\n\n  Café naïve, 1599 & 42\tÆsop's ’tis\n"
+RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
+
+
+def save_tiny_checkpoint(tmp_path, meta=None, tokenizer="gpt2", **options):
+    """A tiny model with `tokenizer`'s vocabulary; bpe-<N> is trained on TEXT and TRICKY."""
+    bpe_file = None
+    if n_vocab := parse_tokenizer(tokenizer):
+        bpe_file = tmp_path / "bpe.json"
+        bpe_file.write_text(train_bpe([TEXT, *TRICKY], n_vocab)[0].to_json())
+    torch.manual_seed(0)
+    model = GPT(
+        tiny_config(**{"vocab_size": n_vocab or get_tokenizer(tokenizer).n_vocab, **options})
+    )
+    with torch.no_grad():  # nonzero biases and gains: a mapping that drops one would show
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.normal_(0, 0.5)
+    meta = {"step": 7, "tokenizer": tokenizer, **(meta or {})}
+    path = save_checkpoint(tmp_path / "ckpt", model, RUN, meta, tokenizer_file=bpe_file)
+    return path, model.eval()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from data.bpe import BPE, PATTERN, train_bpe
 from data.cache import InvalidCache, verify_prepared
 from data.shakespeare import VAL_PLAYS, play_files
 from data.tokenizer import TOKENIZER_FILE, parse_tokenizer
-from tests.data.test_tokenizer import TRICKY
+from tests.conftest import TRICKY
 
 
 def random_unicode(seed: int, n: int = 400) -> str:

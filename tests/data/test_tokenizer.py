@@ -12,24 +12,7 @@ from transformers import GPT2TokenizerFast
 
 from data import DataError, get_tokenizer
 from data.tokenizer import GPT2_FILES_SHA256, gpt2_bpe_files, token_dtype
-
-TRICKY = [
-    "Hello, world!",
-    "  leading and trailing spaces  ",
-    "tabs\tand\nnewlines\n\n\n   \n",
-    "multiple     spaces    between",
-    "\u00e9t\u00e9 na\u00efve caf\u00e9 \u00dcbermensch",
-    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \u4e2d\u6587 \ud55c\uad6d\uc5b4",
-    "emoji \U0001f600\U0001f468\u200d\U0001f469\u200d\U0001f467 flags \U0001f1eb\U0001f1f7",
-    "I'm you're we've they'll she'd it's DON'T",
-    "numbers 1234567890 3.14159 1e-10 0x1F",
-    "code: def f(x):\n    return x**2  # comment",
-    "text <|endoftext|> more <|endoftext|>",
-    "\u200b zero width \ufeff bom \u00a0 nbsp",
-    "",
-    " ",
-    "a" * 1000,
-]
+from tests.conftest import TRICKY
 
 
 @pytest.fixture(scope="module")
