@@ -72,15 +72,14 @@ def gguf_writer(files: dict[str, Any], tokenizer: tiktoken.Encoding, dtype: str)
     kind = config["model_type"]
     writer = gguf.GGUFWriter(None, kind)
     writer.add_file_type(DTYPES[dtype][2])
-    for key, hf_key in HPARAMS[kind].items():
-        value = config[hf_key]
-        add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
-        add(f"{kind}.{key}", value)
+    for key, hf_key in HPARAMS[kind].items():  # llama.cpp reads each in one type
+        floating = key.endswith(("epsilon", "freq_base"))  # rope_base=500 is a float too
+        (writer.add_float32 if floating else writer.add_uint32)(f"{kind}.{key}", config[hf_key])
     _add_tokenizer(writer, files["tokenizer.json"]["model"], tokenizer)
     layers = config[HPARAMS[kind]["block_count"]]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[kind.upper()], layers)
     for name, w in files["model.safetensors"].items():
-        if name.endswith(CONV1D_WEIGHTS):  # GPT-2's Conv1D (in, out) back to ggml's rows
+        if name.endswith(CONV1D_WEIGHTS):  # Conv1D's (in, out) back to our Linear's (out, in)
             w = w.t()
         elif name.endswith(QK):
             w = _adjacent_pairs(w, config["num_attention_heads"])

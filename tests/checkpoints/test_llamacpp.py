@@ -127,7 +127,7 @@ def test_every_tensor_is_ours(tmp_path, options, tokenizer, dtype):
     assert ("output.weight" in theirs) != model.config.tie_embeddings
 
 
-@pytest.mark.parametrize("options", [{"mlp_ratio": 2}, {**LLAMA, "rope_base": 500.0}])
+@pytest.mark.parametrize("options", [{"mlp_ratio": 2}, {**LLAMA, "rope_base": 500}])
 def test_the_keys_llama_cpp_reads_hold_our_values(tmp_path, options):
     path, model = save_tiny_checkpoint(tmp_path, **options)
     reader = export_gguf(tmp_path, path, gguf={"dtype": "float16"})
@@ -156,6 +156,8 @@ def test_the_keys_llama_cpp_reads_hold_our_values(tmp_path, options):
             "llama.rope.dimension_count": c.head_size,
         }
     assert {key: field(reader, key) for key in want} == want
+    floats = [key for key in want if key.endswith(("epsilon", "freq_base"))]
+    assert {reader.fields[key].types[0] for key in floats} == {gguf.GGUFValueType.FLOAT32}
     assert field(reader, "tokenizer.ggml.token_type")[50256] == 3  # CONTROL: never from text
 
 
