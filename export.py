@@ -12,12 +12,11 @@ from checkpoints.export import export_checkpoint
 def main(cfg: DictConfig) -> None:
     with user_errors():
         out = export_checkpoint(OmegaConf.to_container(cfg, resolve=True))
-    if cfg.format == "gguf":
-        print(f"wrote {out}: run it with llama.cpp: llama-completion -m {out} -no-cnv -p 'ROMEO:'")
+    if cfg.format == "gguf":  # -n 32: within the positions of a learned-position model
+        how = f"run it with llama.cpp, e.g. llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'"
     else:
-        print(
-            f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"
-        )
+        how = f"load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"
+    print(f"wrote {out}: {how}")
 
 
 if __name__ == "__main__":
