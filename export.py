@@ -1,4 +1,5 @@
-"""Export to Hugging Face: `python export.py checkpoint=<dir> out=<dir>` (configs/export.yaml)."""
+"""Export to Hugging Face, `python export.py checkpoint=<dir> out=<dir>`, or to llama.cpp,
+`... out=model.gguf format=gguf` (configs/export.yaml)."""
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -11,7 +12,11 @@ from checkpoints.export import export_checkpoint
 def main(cfg: DictConfig) -> None:
     with user_errors():
         out = export_checkpoint(OmegaConf.to_container(cfg, resolve=True))
-    print(f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')")
+    if cfg.format == "gguf":  # -n 32: within the positions of a learned-position model
+        how = f"run it with llama.cpp, e.g. llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'"
+    else:
+        how = f"load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"
+    print(f"wrote {out}: {how}")
 
 
 if __name__ == "__main__":

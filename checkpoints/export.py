@@ -12,7 +12,9 @@ check it against transformers). An option without one fails in one line naming i
 GPTConfig field becomes is checkpoints.hf.FIELDS, the table the GPT-2 import reads too.
 
 The export is written into a temporary sibling directory and swapped into place
-(base.files.write_dir_atomic), so `out` never holds half an export.
+(base.files.write_dir_atomic), so `out` never holds half an export. `format=gguf` writes the
+same export as one GGUF file for llama.cpp instead (checkpoints/llamacpp.py), through a
+temporary file renamed into place.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import tiktoken
 import torch
 from safetensors.torch import save_file
 
+from base.checks import choice
 from base.errors import ConfigError
-from base.files import write_dir_atomic
+from base.files import atomic_path, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
+from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.sources import load_source
 from checkpoints.store import Checkpoint, find_checkpoint
 from model import GPTConfig
@@ -37,6 +41,8 @@ from model.weights import stored_state
 EOT = "<|endoftext|>"
 # transformers' class of each architecture, by its column in checkpoints.hf.FIELDS
 ARCHITECTURES = dict(gpt2="GPT2LMHeadModel", llama="LlamaForCausalLM")
+TRANSFORMERS = {kind: f"transformers' {name}" for kind, name in ARCHITECTURES.items()}
+LLAMA_CPP = {kind: f"llama.cpp's {kind}" for kind in ARCHITECTURES}  # GGUF's architectures
 # Byte-level BPE files spell byte b as chr(b) where that is printable (not the space), the
 # others as chr(256), chr(257), ... in byte order (GPT-2's bytes_to_unicode; tiktoken's too)
 _SHIFTED = [b for b in range(256) if b == 32 or not chr(b).isprintable()]
@@ -44,18 +50,36 @@ BYTE_CHARS = [chr(256 + _SHIFTED.index(b)) if b in _SHIFTED else chr(b) for b in
 
 
 def export_checkpoint(cfg: dict[str, Any]) -> Path:
-    """Export `cfg["checkpoint"]` (any model source; null: the newest run) to `cfg["out"]`."""
+    """Export `cfg["checkpoint"]` (any model source; null: the newest run) to `cfg["out"]`: a
+    Hugging Face directory, or with format=gguf one GGUF file."""
+    as_gguf = choice("format", cfg.get("format", "hf"), ("hf", "gguf")) == "gguf"
+    dtype = choice("gguf.dtype", (cfg.get("gguf") or {}).get("dtype", "float32"), list(DTYPES))
     out = cfg.get("out")
     if not out:
-        raise ConfigError("out is required: python export.py checkpoint=<run dir> out=<dir>")
+        raise ConfigError(
+            "out is required: python export.py checkpoint=<run dir> out=<dir> "
+            "(format=gguf: out=<file>.gguf)"
+        )
     out = Path(str(out)).expanduser().absolute()
     overwrite = cfg.get("overwrite") is True  # anything else keeps what `out` holds
-    if out.exists() and not out.is_dir():
+    if as_gguf and out.is_dir():
+        raise ConfigError(f"out={out} is a directory; format=gguf writes one file")
+    if not as_gguf and out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"out={out} exists and is not empty; pass overwrite=true to replace it")
+    if (out.is_file() or out.is_dir() and any(out.iterdir())) and not overwrite:
+        raise ConfigError(
+            f"out={out} exists{'' if as_gguf else ' and is not empty'}; "
+            "pass overwrite=true to replace it"
+        )
     source = cfg.get("checkpoint")
     ckpt = load_source(find_checkpoint(None) if source is None else source)
+    if as_gguf:  # everything checked, and the file built in memory, before anything is written
+        _architecture(ckpt.model.config, LLAMA_CPP)
+        writer = gguf_writer(hf_files(ckpt), ckpt.tokenizer(), dtype)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            write_gguf(writer, tmp)
+        return out
     files = hf_files(ckpt)  # everything checked before anything is written
     write_dir_atomic(out, lambda tmp: _write_files(tmp, files))
     return out
@@ -96,15 +120,15 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _architecture(config: GPTConfig) -> str:
+def _architecture(config: GPTConfig, names: dict[str, str] = TRANSFORMERS) -> str:
     """The architecture, "gpt2" or "llama", chosen by pos_embedding; else a ConfigError naming
-    the first option (in FIELDS' order) that it cannot reproduce."""
+    the first option (in FIELDS' order) that it cannot reproduce, and where (`names`)."""
     kind = "llama" if config.pos_embedding == "rope" else "gpt2"
     for name, need in needs(kind).items():
         if (value := getattr(config, name)) != need:
             raise ConfigError(
-                f"model.{name}={value!r} has no equivalent in transformers' "
-                f"{ARCHITECTURES[kind]} (which pos_embedding={config.pos_embedding} maps to): "
+                f"model.{name}={value!r} has no equivalent in {names[kind]} "
+                f"(which pos_embedding={config.pos_embedding} maps to): "
                 "export supports GPT-2's architecture and rope + rmsnorm + swiglu (Llama) "
                 "without qk_norm or logit_softcap"
             )

@@ -16,7 +16,9 @@ os.environ["CAUSALGPT_CPU_AUTO_DTYPE"] = "float32"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from checkpoints.store import save_checkpoint  # noqa: E402
 from data import PreparedData, prepare_data  # noqa: E402
+from data.tokenizer import get_tokenizer, parse_tokenizer, train_bpe  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # Text that trips tokenizers: whitespace runs, accents, CJK, emoji, a literal end-of-text.
@@ -43,6 +45,29 @@ def tiny_config(**overrides) -> GPTConfig:
     values = dict(vocab_size=101, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     values.update(overrides)
     return GPTConfig(**values)
+
+
+TEXT = "First Citizen:\nBefore we proceed, hear me speak.\n\n  Café naïve, 1599 & 42\tÆsop's ’tis\n"
+RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
+
+
+def save_tiny_checkpoint(tmp_path, meta=None, tokenizer="gpt2", **options):
+    """A tiny model with `tokenizer`'s vocabulary; bpe-<N> is trained on TEXT and TRICKY."""
+    bpe_file = None
+    if n_vocab := parse_tokenizer(tokenizer):
+        bpe_file = tmp_path / "bpe.json"
+        bpe_file.write_text(train_bpe([TEXT, *TRICKY], n_vocab)[0].to_json())
+    torch.manual_seed(0)
+    model = GPT(
+        tiny_config(**{"vocab_size": n_vocab or get_tokenizer(tokenizer).n_vocab, **options})
+    )
+    with torch.no_grad():  # nonzero biases and gains: a mapping that drops one would show
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.normal_(0, 0.5)
+    meta = {"step": 7, "tokenizer": tokenizer, **(meta or {})}
+    path = save_checkpoint(tmp_path / "ckpt", model, RUN, meta, tokenizer_file=bpe_file)
+    return path, model.eval()
 
 
 @pytest.fixture

@@ -10,34 +10,12 @@ from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from checkpoints.hf import FIELDS, Field, Need, hf_keys
 from checkpoints.store import save_checkpoint
-from data.tokenizer import get_tokenizer, load_tokenizer, parse_tokenizer, train_bpe
+from data.tokenizer import load_tokenizer
 from model import GPT
 from model.config import load_preset
-from tests.conftest import TRICKY, tiny_config
+from tests.conftest import RUN, TEXT, TRICKY, save_tiny_checkpoint, tiny_config
 
 transformers = pytest.importorskip("transformers")
-
-TEXT = "First Citizen:\nBefore we proceed, hear me speak.\n\n  Café naïve, 1599 & 42\tÆsop's ’tis\n"
-RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
-
-
-def checkpoint(tmp_path, meta=None, tokenizer="gpt2", **options):
-    """A tiny model with `tokenizer`'s vocabulary; bpe-<N> is trained on TEXT and TRICKY."""
-    bpe_file = None
-    if n_vocab := parse_tokenizer(tokenizer):
-        bpe_file = tmp_path / "bpe.json"
-        bpe_file.write_text(train_bpe([TEXT, *TRICKY], n_vocab)[0].to_json())
-    torch.manual_seed(0)
-    model = GPT(
-        tiny_config(**{"vocab_size": n_vocab or get_tokenizer(tokenizer).n_vocab, **options})
-    )
-    with torch.no_grad():  # nonzero biases and gains: a mapping that drops one would show
-        for name, p in model.named_parameters():
-            if name.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
-                p.normal_(0, 0.5)
-    meta = {"step": 7, "tokenizer": tokenizer, **(meta or {})}
-    path = save_checkpoint(tmp_path / "ckpt", model, RUN, meta, tokenizer_file=bpe_file)
-    return path, model.eval()
 
 
 def export(tmp_path, path, **cfg):
@@ -62,7 +40,7 @@ def export(tmp_path, path, **cfg):
 )  # fmt: skip
 def test_transformers_computes_our_logits_and_loss(tmp_path, options, architecture, tokenizer):
     """Our logits on any ids, and our loss on a text tokenized by each side's own tokenizer."""
-    path, ours = checkpoint(tmp_path, tokenizer=tokenizer, **options)
+    path, ours = save_tiny_checkpoint(tmp_path, tokenizer=tokenizer, **options)
     out = export(tmp_path, path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(theirs).__name__ == architecture
@@ -96,7 +74,7 @@ def test_a_padded_vocabulary_exports_as_the_tokenizers(tmp_path, options):
 @pytest.mark.parametrize("name", ["gpt2", "bytes", "bpe-300"])
 def test_the_tokenizer_gives_our_ids(tmp_path, name):
     """Code, accents, CJK, emoji, runs of spaces and newlines, and "<|endoftext|>" as text."""
-    path, _ = checkpoint(tmp_path, tokenizer=name)
+    path, _ = save_tiny_checkpoint(tmp_path, tokenizer=name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(export(tmp_path, path))
     ours = load_tokenizer(name, path)
     assert tokenizer.is_fast and tokenizer.eos_token_id == ours.eot_token
@@ -110,7 +88,7 @@ def test_the_docs_pipeline_generates_within_the_positions(tmp_path, monkeypatch)
     """docs/evaluation.md's line, verbatim but for the directory, on the nano preset (64
     positions): the pipeline's default 256 new tokens would index past them."""
     nano = load_preset("nano") | {"vocab_size": 50257}
-    monkeypatch.chdir(export(tmp_path, checkpoint(tmp_path, **nano)[0]).parent)
+    monkeypatch.chdir(export(tmp_path, save_tiny_checkpoint(tmp_path, **nano)[0]).parent)
     from transformers import pipeline
 
     text = pipeline("text-generation", "out")("ROMEO:")[0]["generated_text"]
@@ -129,7 +107,7 @@ def test_the_docs_pipeline_generates_within_the_positions(tmp_path, monkeypatch)
     ],
 )
 def test_options_without_an_equivalent_are_named(tmp_path, options, named):
-    path, _ = checkpoint(tmp_path, **options)
+    path, _ = save_tiny_checkpoint(tmp_path, **options)
     with pytest.raises(ConfigError, match=f"^{named.replace('.', '[.]')} has no equivalent"):
         export(tmp_path, path)
     assert not (tmp_path / "out").exists()
@@ -138,7 +116,7 @@ def test_options_without_an_equivalent_are_named(tmp_path, options, named):
 
 def test_a_field_the_table_says_has_no_equivalent_is_refused(tmp_path, monkeypatch):
     """export.py keeps no list of its own: a Need in checkpoints.hf.FIELDS is enforced."""
-    path, _ = checkpoint(tmp_path, zero_init_proj=True)
+    path, _ = save_tiny_checkpoint(tmp_path, zero_init_proj=True)
     monkeypatch.setitem(FIELDS, "zero_init_proj", Field(Need(False), Need(False)))
     with pytest.raises(ConfigError, match="^model[.]zero_init_proj=True has no equivalent"):
         export(tmp_path, path)
@@ -150,7 +128,7 @@ def test_a_field_the_table_says_has_no_equivalent_is_refused(tmp_path, monkeypat
 def test_config_json_holds_each_fields_value_under_its_keys(tmp_path, options):
     kind = "llama" if options else "gpt2"
     other = {"dropout": 0.125, "mlp_ratio": 2, "tie_embeddings": False, "rope_base": 500.0}
-    path, ours = checkpoint(tmp_path, **options, **other)
+    path, ours = save_tiny_checkpoint(tmp_path, **options, **other)
     theirs = transformers.AutoConfig.from_pretrained(export(tmp_path, path)).to_dict()
     theirs |= theirs.get("rope_parameters", {})  # transformers 5 keeps rope_theta there
     for name, field in FIELDS.items():
@@ -159,7 +137,7 @@ def test_config_json_holds_each_fields_value_under_its_keys(tmp_path, options):
 
 
 def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
-    path, _ = checkpoint(tmp_path)
+    path, _ = save_tiny_checkpoint(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="exists and is not empty; pass overwrite=true"):
@@ -183,7 +161,9 @@ def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
         "seconds": 0.25,
     }  # the guard's record (trainer/preflight.py)
     meta = {"val_loss": 3.25, "val_bpb": 1.625, "causality": causality}
-    card = (export(tmp_path, checkpoint(tmp_path, meta=meta)[0]) / "README.md").read_text()
+    card = (
+        export(tmp_path, save_tiny_checkpoint(tmp_path, meta=meta)[0]) / "README.md"
+    ).read_text()
     assert '"name": "shakespeare"' in card and "Steps: 7" in card
     assert "1.6250 bits per byte" in card and "Initialized from: random weights" in card
     assert "- Tokenizer: `gpt2`" in card
@@ -194,7 +174,7 @@ def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
     ) in card
     meta = {"causality": {"checked": False, "reason": "train.check_causality=false"}}
     card = (
-        export(tmp_path, checkpoint(tmp_path, meta)[0], overwrite=True) / "README.md"
+        export(tmp_path, save_tiny_checkpoint(tmp_path, meta)[0], overwrite=True) / "README.md"
     ).read_text()
     assert "not recorded" in card
     assert "- Causality check: not run (train.check_causality=false)" in card
