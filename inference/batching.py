@@ -29,9 +29,10 @@ from model import GPT
 
 @dataclass(eq=False)
 class Job:
-    """One completion. `emit(job, text, token, finish_reason)` is called from the worker thread
-    after each token, with the text that became safe to show, and finish_reason "stop" (the
-    end-of-text token or a stop string) or "length" (max_tokens) on the last one. Set
+    """One completion. `emit(job, text, token, finish_reason, logits)` is called from the worker
+    thread after each token, with the text that became safe to show, finish_reason "stop" (the
+    end-of-text token or a stop string) or "length" (max_tokens) on the last one, and the logits
+    (V,) the token was drawn from. Set
     `cancelled` from any thread: the job leaves at the next step, without another emit."""
 
     ids: list[int]  # the prompt's tokens, at least one
@@ -39,7 +40,7 @@ class Job:
     max_tokens: int
     generator: torch.Generator
     text: TextStream
-    emit: Callable[[Job, str, int, str | None], None]
+    emit: Callable[[Job, str, int, str | None, torch.Tensor], None]
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
@@ -111,7 +112,7 @@ class Batcher:
         for row, job in enumerate(jobs):
             token = next_token(logits[row : row + 1], job.seq, job.params, job.generator)
             job.seq = torch.cat([job.seq, token[:, None]], dim=1)
-            self._emit(job, int(token))
+            self._emit(job, int(token), logits[row])
         return logits
 
     def _fill(self, row: int, job: Job) -> None:
@@ -129,7 +130,7 @@ class Batcher:
         if job.seq.size(1) - 1 > job.start:
             self.decoder.hidden_states(job.seq[:, job.start : -1], self.cache)
 
-    def _emit(self, job: Job, token: int) -> None:
+    def _emit(self, job: Job, token: int, logits: torch.Tensor) -> None:
         """Pass the token on; the job's text is done (it leaves) when the token ends it."""
         job.tokens.append(token)
         if token == self.eot:
@@ -139,4 +140,4 @@ class Batcher:
             reason = "stop" if job.text.done else None
             if reason is None and len(job.tokens) == job.max_tokens:
                 text, reason = text + job.text.finish(), "length"
-        job.emit(job, text, token, reason)
+        job.emit(job, text, token, reason, logits)
