@@ -350,9 +350,9 @@ def create_app(server: Server) -> FastAPI:
 
 def limits(cfg: Mapping[str, Any]) -> dict:
     """The limits and the key, checked (before a model is loaded)."""
-    names = ("max_batch", "max_queue", "max_tokens", "max_n", "max_body_bytes", "page_tokens")
+    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1, page_tokens=1)
     values = {
-        name: check(name, cfg[name], is_int(cfg[name], 1), "an integer >= 1") for name in names
+        n: check(n, cfg[n], is_int(cfg[n], low), f"an integer >= {low}") for n, low in lows.items()
     }
     prompt = cfg["max_prompt_tokens"]
     check(
@@ -368,6 +368,10 @@ def main(cfg: Mapping[str, Any]) -> int:
     with user_errors():
         host, port, values = str(cfg["host"]), cfg["port"], limits(cfg)
         check("port", port, is_int(port, 0) and port < 65536, "an integer in [0, 65535]")
+        if host not in LOOPBACK:
+            keyless = "" if values["api_key"] else f" (no API key: api_key= or {KEY_VARIABLE})"
+            warning = f"host={host}: anyone who can reach this port can use the model{keyless}"
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         device = resolve_device(str(cfg["device"]))
         dtype = decoding_dtype(str(cfg["dtype"]), device)
         source = cfg["checkpoint"] or find_checkpoint(None)  # null: the newest run
@@ -377,13 +381,7 @@ def main(cfg: Mapping[str, Any]) -> int:
         values["max_prompt_tokens"] = min(values["max_prompt_tokens"] or block, block)
         values["page_tokens"] = min(values["page_tokens"], block)
         server = Server(model, ckpt.tokenizer(), str(source), values)
-        sock = socket.create_server((host, port), reuse_port=False)
-    if host not in LOOPBACK:
-        keyless = "" if server.key else f" with no API key (api_key= or {KEY_VARIABLE})"
-        print(
-            f"warning: host={host}: anyone who can reach this port can use the model{keyless}",
-            file=sys.stderr,
-        )
+        sock = socket.create_server((host, port))
     server.batcher.start()
     where = f"http://{host}:{sock.getsockname()[1]}"
     print(f"serving {server.name} on {where} (the page: {where}/)", flush=True)
