@@ -34,6 +34,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from base.checks import check, is_int
 from base.errors import user_errors
@@ -116,10 +117,13 @@ class Server:
     async def parse(self, request: Request, kind: type[Strict]) -> Any:
         """The body as `kind`: at most max_body_bytes of JSON with exactly its fields."""
         body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.limits["max_body_bytes"]:
-                raise ApiError(413, f"the body is over {self.limits['max_body_bytes']} bytes")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.limits["max_body_bytes"]:
+                    raise ApiError(413, f"the body is over {self.limits['max_body_bytes']} bytes")
+        except ClientDisconnect:  # gone before its body came: nobody to answer
+            raise ApiError(499, "the client closed the request") from None
         try:
             return kind.model_validate(json.loads(body))
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError too

@@ -3,11 +3,15 @@ serve.py servers on free local ports."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -110,3 +114,25 @@ def start_server(serve_checkpoint: Path) -> Iterator[Callable[..., tuple[str, in
 def server(start_server) -> str:
     """The base URL of a server with the default limits and no API key."""
     return start_server()[0]
+
+
+def request(url: str, method: str, path: str, body=None, headers=None, parse=json.loads):
+    """(status, headers, parsed JSON) of one raw HTTP request; body: bytes, or JSON-able."""
+    connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, data, headers or {})
+    response = connection.getresponse()
+    answer = (response.status, response.headers, parse(response.read()))
+    connection.close()
+    return answer
+
+
+def wait_until_idle(url: str) -> dict:
+    """/api/info once no job decodes or waits (polled; the deadline only ends a hung test)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        info = request(url, "GET", "/api/info")[2]
+        if info["active"] == info["waiting"] == 0:
+            return info
+        time.sleep(0.02)
+    raise AssertionError(f"the server still holds jobs: {info}")

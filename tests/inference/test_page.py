@@ -54,7 +54,7 @@ def test_the_page_streams_shows_causal_attention_and_causality(server, browser, 
         ".map(c => [Number(c.dataset.i), Number(c.dataset.j), Number(c.dataset.p), c.className])"
     )
     T = round(len(cells) ** 0.5)
-    assert T * T == len(cells) and T > 12
+    assert len(cells) == T * T and T > 12
     rows = [0.0] * T
     for i, j, p, kind in cells:
         if j > i:

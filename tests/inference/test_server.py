@@ -4,6 +4,7 @@ client library never sends (malformed JSON, hang-ups, oversized bodies)."""
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from inference.cli import run
-from tests.inference.conftest import SERVE_PY
+from tests.inference.conftest import SERVE_PY, request, wait_until_idle
 
 
 def client(url: str, key: str = "none") -> openai.OpenAI:
@@ -24,28 +25,6 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 def complete(url: str, **fields) -> openai.types.Completion:
     return client(url).completions.create(model="causalgpt", **fields)
-
-
-def request(url: str, method: str, path: str, body=None, headers=None, parse=json.loads):
-    """(status, headers, parsed JSON) of one raw HTTP request; body: bytes, or JSON-able."""
-    connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    connection.request(method, path, data, headers or {})
-    response = connection.getresponse()
-    answer = (response.status, response.headers, parse(response.read()))
-    connection.close()
-    return answer
-
-
-def wait_until_idle(url: str) -> dict:
-    """/api/info once no job decodes or waits (polled; the deadline only ends a hung test)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        info = request(url, "GET", "/api/info")[2]
-        if info["active"] == info["waiting"] == 0:
-            return info
-        time.sleep(0.02)
-    raise AssertionError(f"the server still holds jobs: {info}")
 
 
 def test_a_completion_through_the_openai_client(server):
@@ -64,15 +43,23 @@ def test_the_same_tokens_as_sample_py(server, serve_checkpoint, sample_cfg):
     greedy; 40 tokens run past the 32-token window, which restarts."""
     for settings in (["temperature=0.8", "top_k=200"], ["temperature=0", "top_k=null"]):
         cfg = sample_cfg(
-            f"checkpoint={serve_checkpoint}", "prompt='Hello there'", "max_new_tokens=40",
-            "seed=7", "stream=false", *settings,
-        )  # fmt: skip
-        (expected,) = run(cfg, out=open("/dev/null", "w"))  # noqa: SIM115
+            f"checkpoint={serve_checkpoint}",
+            "prompt='Hello there'",
+            "max_new_tokens=40",
+            "seed=7",
+            "stream=false",
+            *settings,
+        )
+        (expected,) = run(cfg, out=io.StringIO(), err=io.StringIO())
         extra = {"top_k": cfg.top_k} if cfg.top_k else {}
         done = complete(
-            server, prompt="Hello there", max_tokens=40, seed=7, temperature=cfg.temperature,
+            server,
+            prompt="Hello there",
+            max_tokens=40,
+            seed=7,
+            temperature=cfg.temperature,
             extra_body=extra,
-        )  # fmt: skip
+        )
         assert done.choices[0].text == expected
 
 
@@ -115,10 +102,16 @@ def test_n_choices_and_seeds_reproduce(server):
 
 def test_concurrent_requests_give_their_one_at_a_time_texts(server):
     requests = [
-        dict(prompt="Hello " * (i % 5 + 1), max_tokens=20 + 3 * i, seed=i, temperature=0.2 * (i % 4),
-             top_p=1.0 if i % 3 else 0.9, extra_body={"repetition_penalty": 1.0 + 0.1 * (i % 2)})
+        dict(
+            prompt="Hello " * (i % 5 + 1),
+            max_tokens=20 + 3 * i,
+            seed=i,
+            temperature=0.2 * (i % 4),
+            top_p=1.0 if i % 3 else 0.9,
+            extra_body={"repetition_penalty": 1.0 + 0.1 * (i % 2)},
+        )
         for i in range(10)
-    ]  # fmt: skip
+    ]
     alone = [complete(server, **r).choices[0].text for r in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda r: complete(server, **r).choices[0].text, requests))
@@ -235,9 +228,12 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
 )
 def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path):
     done = subprocess.run(
-        [sys.executable, str(SERVE_PY), *args], capture_output=True, text=True, cwd=tmp_path,
+        [sys.executable, str(SERVE_PY), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
         timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 2
     assert done.stderr.startswith(says)
     assert done.stderr.strip().splitlines()[-1].startswith("error: ")
