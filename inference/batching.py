@@ -16,6 +16,7 @@ from its own generator, as sample.py's single sample's do.
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,7 +33,8 @@ class Job:
     """One completion. `emit(job, text, token, finish_reason, logits)` is called from the worker
     thread after each token, with the text that became safe to show, finish_reason "stop" (the
     end-of-text token or a stop string) or "length" (max_tokens) on the last one, and the logits
-    (V,) the token was drawn from. Set
+    (V,) the token was drawn from; or once with finish_reason "error" (token -1, logits None)
+    when decoding failed. Set
     `cancelled` from any thread: the job leaves at the next step, without another emit."""
 
     ids: list[int]  # the prompt's tokens, at least one
@@ -40,7 +42,7 @@ class Job:
     max_tokens: int
     generator: torch.Generator
     text: TextStream
-    emit: Callable[[Job, str, int, str | None, torch.Tensor], None]
+    emit: Callable[[Job, str, int, str | None, torch.Tensor | None], None]
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
@@ -83,7 +85,14 @@ class Batcher:
         while True:
             with self.wake:
                 self.wake.wait_for(lambda: self.active or self.waiting)
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug: its traceback shown, its jobs ended, the others served
+                traceback.print_exc()
+                with self.wake:
+                    failed, self.active, self.waiting = self.active + self.waiting, [], []
+                for job in failed:
+                    job.emit(job, "", -1, "error", None)
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor | None:

@@ -54,14 +54,16 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class ApiError(Exception):
-    """A request the server refuses: its status and OpenAI's error body."""
+    """A request the server refuses (4xx) or failed (5xx): its status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, **headers: str):
-        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.status, self.param, self.headers = status, param, headers
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        self.body = error_body(message, param, kind)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class CompletionRequest(Strict):
@@ -75,7 +77,7 @@ class CompletionRequest(Strict):
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     user: str | None = None
@@ -134,17 +136,15 @@ class Server:
             shown = repr(first["input"])[:60]
             raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
 
-    def encode(self, text: str, param: str) -> list[int]:
-        ids = self.tokenizer.encode_ordinary(text) or [self.tokenizer.eot_token]
-        if len(ids) > self.limits["max_prompt_tokens"]:
-            limit = self.limits["max_prompt_tokens"]
-            raise ApiError(400, f"{param} is {len(ids)} tokens, over the limit of {limit}", param)
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
+        if len(ids) > (limit := self.limits["max_prompt_tokens"]):
+            raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {limit}", "prompt")
         return ids
 
-    def jobs(self, req: CompletionRequest, emit: Any) -> list[Job]:
+    def jobs(self, req: CompletionRequest, prompts: list[str], emit: Any) -> list[Job]:
         """One job per prompt and choice (index prompt * n + choice; seed + index), checked
         against the limits."""
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
         for param, value, limit in [
             ("max_tokens", req.max_tokens, self.limits["max_tokens"]),
@@ -162,7 +162,7 @@ class Server:
             req.temperature, req.top_k, top_p, req.min_p, req.repetition_penalty
         )
         seed = secrets.randbits(62) if req.seed is None else req.seed
-        ids = [self.encode(p, "prompt") for p in prompts]
+        ids = [self.encode(p) for p in prompts]
         return [
             Job(
                 ids[i // req.n],
@@ -192,11 +192,13 @@ class Server:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(job: Job, text: str, token: int, reason: str | None, logits: torch.Tensor):
-            logprobs = None if req.logprobs is None else self.logprobs(token, logits, req.logprobs)
+            top = req.logprobs
+            logprobs = None if top is None or logits is None else self.logprobs(token, logits, top)
             choice = dict(text=text, index=jobs.index(job), logprobs=logprobs, finish_reason=reason)
             loop.call_soon_threadsafe(events.put_nowait, choice)
 
-        jobs = self.jobs(req, emit)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        jobs = self.jobs(req, prompts, emit)
         if not self.batcher.submit(jobs):
             raise ApiError(
                 429, "the server is full; retry in a moment", None, **{"Retry-After": "1"}
@@ -207,7 +209,7 @@ class Server:
             created=int(time.time()),
             model=self.name,
         )
-        echoed = [self.tokenizer.decode(job.ids) if req.echo else "" for job in jobs]
+        echoed = [prompts[i // req.n] if req.echo else "" for i in range(len(jobs))]
 
         async def choices() -> AsyncIterator[dict]:
             """Every choice's pieces as they come, until all are finished or the client hangs
@@ -217,6 +219,8 @@ class Server:
                     yield dict(text=text, index=index, logprobs=None, finish_reason=None)
             left = len(jobs)
             while left and (choice := await events.get()) is not None:
+                if choice["finish_reason"] == "error":
+                    raise ApiError(500, "decoding failed (the server's log has the traceback)")
                 left -= choice["finish_reason"] is not None
                 yield choice
 
@@ -225,6 +229,8 @@ class Server:
                 async for choice in choices():
                     yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
                 yield "data: [DONE]\n\n"
+            except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
+                yield f"data: {json.dumps(e.body)}\n\n"
             finally:  # finished, or cancelled: the jobs leave the batch at its next step
                 cancel(jobs)
 
@@ -255,28 +261,32 @@ class Server:
         return {**head, "choices": merged, "usage": usage}
 
     def attention(self, req: AttentionRequest) -> dict:
-        """S of every head and layer for the text's first page_tokens tokens: one head's S in
-        full, and each layer's average over its heads (for the small multiples)."""
-        ids = self.encode(req.text, "text")[: self.limits["page_tokens"]]
+        """S of every head of every layer over the text's first page_tokens tokens."""
+        every = self.tokenizer.encode_ordinary(req.text) or [self.tokenizer.eot_token]
+        ids = every[: self.limits["page_tokens"]]
         idx = torch.tensor([ids], device=self.model.lm_head.weight.device)
         probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
         return {
             "ids": ids,
             "tokens": token_labels(self.tokenizer, ids),
             "heads": probs.mul(1e6).round().div(1e6).tolist(),  # 6 decimals: 3 MB at 8 x 4 x 64²
-            "truncated": len(self.tokenizer.encode_ordinary(req.text)) > len(ids),
+            "truncated": len(every) > len(ids),
         }
 
     @torch.inference_mode()
     def causality(self, req: CausalityRequest) -> dict:
         """Each position's largest change in its next-token probabilities when the token at
         `position` is replaced: exactly 0 before it, for a causal model (manual attention)."""
-        ids, j = req.ids, req.position
+        ids, j, limit = req.ids, req.position, self.limits["page_tokens"]
         new = self.tokenizer.encode_ordinary(req.replacement)
-        if len(ids) > self.limits["page_tokens"] or not j < len(ids):
-            raise ApiError(400, f"ids: at most {self.limits['page_tokens']} tokens, past position")
-        if len(new) != 1 or not all(0 <= i < self.tokenizer.n_vocab for i in ids):
-            raise ApiError(400, "replacement must be one token, ids the tokenizer's", "replacement")
+        for ok, param, rule in [
+            (len(ids) <= limit and all(0 <= i < self.tokenizer.n_vocab for i in ids), "ids",
+             f"at most {limit} of the tokenizer's ids"),
+            (j < len(ids), "position", "a position of ids"),
+            (len(new) == 1, "replacement", "text that is one token"),
+        ]:  # fmt: skip
+            if not ok:
+                raise ApiError(400, f"{param} must be {rule}", param)
         edited = [*ids[:j], new[0], *ids[j + 1 :]]
         device = self.model.lm_head.weight.device
         p, q = (
@@ -316,7 +326,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.param), e.status, headers=e.headers)
+        return JSONResponse(e.body, e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def not_here(request: Request, e: HTTPException) -> JSONResponse:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import threading
+
 import pytest
 import torch
 
@@ -83,3 +87,28 @@ def test_a_cancelled_job_leaves_and_a_full_batcher_refuses(model):
     jobs[0].cancelled = True
     batcher.step()
     assert batcher.active == [jobs[1], jobs[2]]  # the last row moved up; the joiner came last
+
+
+def test_a_failing_step_ends_its_jobs_and_the_worker_serves_on(model):
+    """A bug inside a step (here a job's callback raising) ends the jobs it held with
+    finish_reason "error"; the worker thread lives on and decodes the next job."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
+    batcher.start()
+    reasons: dict[int, list[str]] = {0: [], 1: []}
+    ended = {0: threading.Event(), 1: threading.Event()}
+
+    def emit(which: int, job: Job, text: str, token: int, reason: str | None, logits) -> None:
+        if which == 0 and reason != "error":
+            raise RuntimeError("a bug in a callback")
+        if reason is not None:
+            reasons[which].append(reason)
+            ended[which].set()
+
+    broken, good = (
+        dataclasses.replace(j, emit=functools.partial(emit, i))
+        for i, j in enumerate(_jobs(model)[:2])
+    )
+    assert batcher.submit([broken])
+    assert ended[0].wait(120) and reasons[0] == ["error"]
+    assert batcher.submit([good])
+    assert ended[1].wait(120) and reasons[1] == ["length"] and len(good.tokens) == good.max_tokens

@@ -238,3 +238,30 @@ def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path):
     assert done.stderr.startswith(says)
     assert done.stderr.strip().splitlines()[-1].startswith("error: ")
     assert len(done.stderr.strip().splitlines()) == 1 + says.startswith("warning")
+
+
+def test_the_pages_endpoints_are_bounded_and_show_causality(server):
+    """/api/attention: S of every head, over at most page_tokens tokens (here the 32 of the
+    model's window); /api/causality: replacing token j moves nothing before j."""
+    status, _, view = request(server, "POST", "/api/attention", {"text": TOO_LONG})
+    assert status == 200 and view["truncated"] and len(view["ids"]) == len(view["tokens"]) == 32
+    heads = view["heads"]  # (n_layer, n_head, T, T)
+    assert (len(heads), len(heads[0]), len(heads[0][0])) == (2, 2, 32)
+    for S in (S for layer in heads for S in layer):
+        assert all(S[i][j] == 0 for i in range(32) for j in range(i + 1, 32))
+        assert all(abs(sum(row) - 1) < 1e-4 for row in S)
+    edit = {"ids": view["ids"][:20], "position": 7, "replacement": " cat"}
+    status, _, result = request(server, "POST", "/api/causality", edit)
+    assert status == 200 and result["ids"][7] != view["ids"][7]
+    assert result["before"] == 0.0 and result["differences"][:7] == [0.0] * 7
+    assert result["from"] > 0 and result["differences"][7] > 0
+    for bad, param in [
+        ({**edit, "replacement": " cat dog"}, "replacement"),
+        ({**edit, "position": 20}, "position"),
+        ({**edit, "ids": [50257]}, "ids"),
+        ({**edit, "ids": view["ids"] * 2}, "ids"),
+        ({"text": 5}, "text"),
+    ]:
+        path = "/api/attention" if "text" in bad else "/api/causality"
+        status, _, answer = request(server, "POST", path, bad)
+        assert status == 400 and answer["error"]["param"] == param, answer
