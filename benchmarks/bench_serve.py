@@ -90,7 +90,8 @@ def percentile(values: list[float], q: int) -> float:
 
 @torch.inference_mode()
 def step_times(batch: int, steps: int = 30) -> tuple[float, float]:
-    """(ms of a whole Batcher step, ms of its forward alone) with `batch` jobs decoding."""
+    """(ms of a whole Batcher step, ms of its forward alone) with `batch` jobs decoding, the
+    medians over `steps` (a shared machine's other work lands in a few of them)."""
     model, tokenizer = mini(), get_tokenizer("gpt2")
     batcher = Batcher(model, tokenizer.eot_token, tokenizer.n_vocab, batch, 0)
     params = SamplingParams(**PARAMS)
@@ -108,16 +109,17 @@ def step_times(batch: int, steps: int = 30) -> tuple[float, float]:
         ]
     )
     batcher.step()  # the prompts
-    start = time.perf_counter()
-    for _ in range(steps):
-        batcher.step()
-    step = (time.perf_counter() - start) / steps
     newest = torch.cat([job.seq[:, -1:] for job in batcher.active])
-    start = time.perf_counter()
-    for _ in range(steps):  # the step's forward, the cache put back after each
+    steps_ms, forwards_ms = [], []
+    for _ in range(steps):  # a step, then its forward alone (the cache put back after it)
+        start = time.perf_counter()
+        batcher.step()
+        middle = time.perf_counter()
         batcher.decoder.logits(batcher.decoder.hidden_states(newest, batcher.cache)[:, -1])
         batcher.cache.length -= 1
-    return 1000 * step, 1000 * (time.perf_counter() - start) / steps
+        steps_ms.append(1000 * (middle - start))
+        forwards_ms.append(1000 * (time.perf_counter() - middle))
+    return statistics.median(steps_ms), statistics.median(forwards_ms)
 
 
 def main() -> None:
