@@ -395,9 +395,12 @@ def main(cfg: Mapping[str, Any]) -> int:
         values["max_prompt_tokens"] = min(values["max_prompt_tokens"] or block, block)
         values["page_tokens"] = min(values["page_tokens"], block)
         server = Server(model, ckpt.tokenizer(), str(source), values)
-        sock = socket.create_server((host, port))
+        ipv6 = ":" in host
+        sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET
+        )
     server.batcher.start()
-    where = f"http://{host}:{sock.getsockname()[1]}"
+    where = f"http://{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
     print(f"serving {server.name} on {where} (the page: {where}/)", flush=True)
     config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1)
     uvicorn.Server(config).run(sockets=[sock])
