@@ -63,6 +63,9 @@ class ApiError(Exception):
 
 
 class Strict(BaseModel):
+    """A body with exactly these fields, of exactly these types: "5" is not a number here, so a
+    client's mistake is a 400 naming the field, not a guess."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -96,7 +99,8 @@ class CausalityRequest(Strict):
     replacement: str
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error"):
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape, which its clients parse into their exceptions."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
@@ -137,6 +141,7 @@ class Server:
             raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's tokens (sample.py's: <|endoftext|> for an empty one), within the limit."""
         ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
         if len(ids) > (limit := self.limits["max_prompt_tokens"]):
             raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {limit}", "prompt")
@@ -188,6 +193,8 @@ class Server:
         }
 
     async def completions(self, request: Request) -> Any:
+        """POST /v1/completions: the jobs go to the batcher; their pieces come back through an
+        asyncio queue (the worker thread puts them on this event loop) as events or one JSON."""
         req = await self.parse(request, CompletionRequest)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -302,6 +309,7 @@ class Server:
         }
 
     def info(self) -> dict:
+        """What the page needs before it draws: the model's shape and the limits."""
         c = self.model.config
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size)
         return {"model": self.name, **shape, "limits": self.limits, **self.batcher.counts()}
@@ -315,6 +323,7 @@ async def _hang_up(request: Request, events: asyncio.Queue) -> None:
 
 
 def cancel(jobs: list[Job]) -> None:
+    """Mark the jobs cancelled: the batcher drops each at its next step (a no-op once done)."""
     for job in jobs:
         job.cancelled = True
 
