@@ -1,14 +1,14 @@
 """Benchmark: serve.py under concurrent clients, batched against one completion at a time.
 
 The `mini` preset (8 layers x 160, block 128, GPT-2's vocabulary; randomly initialised: speed
-does not depend on the weights) is served twice by `python serve.py` on a free local port: with
-max_batch 16 (the requests decode together) and with max_batch 1 (the same requests, served one
-at a time: each waits in the queue for the one before it). For 1, 4, 8 and 16 concurrent
-clients, --requests streamed completions of --tokens tokens each (temperature 0.8, top_k 200,
-their own seeds) are split among the clients, each sending its next when its last one ends.
-Aggregate tokens/s is every completion token over the wall time; time to first token is from a
-request's send to its first event. A second table shows where a step's time goes at each batch
-size, in this process: the forward over the batch, and the sampling of each row's token.
+does not depend on the weights) is served in float32 twice by `python serve.py` on a free local
+port: with max_batch 16 (the requests decode together) and with max_batch 1 (the same requests,
+served one at a time: each waits in the queue for the one before it). For 1, 4, 8 and 16
+concurrent clients, --requests streamed completions of --tokens tokens each (temperature 0.8,
+top_k 200, their own seeds) are split among the clients, each sending its next when its last one
+ends. Aggregate tokens/s is every completion token over the wall time; time to first token is
+from a request's send to its first event. A second table shows where a step's time goes at each
+batch size, in this process: the forward over the batch, and the sampling of each row's token.
 Run from anywhere: ``python benchmarks/bench_serve.py [--requests N] [--tokens N]``.
 """
 
@@ -73,7 +73,13 @@ def load(url: str, clients: int, requests: int, tokens: int) -> tuple[float, lis
 
 
 def serve(run: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
-    args = [f"checkpoint={run}", "port=0", f"max_batch={max_batch}", "max_queue=64"]
+    args = [
+        f"checkpoint={run}",
+        "port=0",
+        f"max_batch={max_batch}",
+        "max_queue=64",
+        "dtype=float32",
+    ]
     server = subprocess.Popen(
         [sys.executable, str(SERVE_PY), *args], stdout=subprocess.PIPE, text=True
     )

@@ -311,7 +311,8 @@ class Server:
     def info(self) -> dict:
         """What the page needs before it draws: the model's shape and the limits."""
         c = self.model.config
-        shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size)
+        dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+        shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
         return {"model": self.name, **shape, "limits": self.limits, **self.batcher.counts()}
 
 
