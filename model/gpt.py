@@ -178,7 +178,7 @@ class GPT(nn.Module):
         last = start if isinstance(start, int) else int(start.max())
         if last + T > self.config.block_size:
             raise ValueError(
-                f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
+                f"input of {last + T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
         rope = None
@@ -208,6 +208,8 @@ class GPT(nn.Module):
         """An empty KV cache sized for this model, on its device and in its dtype; ragged: a
         RaggedKVCache, whose rows end at lengths of their own."""
         c, w = self.config, self.transformer.wte.weight
+        if ragged and c.attention == "flash":  # its tiles take every row to end where k does
+            raise ValueError("a ragged KV cache needs attention=manual or sdpa, not flash")
         kind = RaggedKVCache if ragged else KVCache
         shape = (c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size)
         return kind(*shape, device=w.device, dtype=w.dtype)

@@ -62,12 +62,21 @@ class RaggedKVCache(KVCache):
     selected row's (rows, 1), so every row's tokens get their own positions, and `allowed` is
     the causal mask's rows at those positions: keys past a row's end (another request's longer
     history, or stale values) are masked as the future is. For manual and sdpa attention (flash
-    takes the queries to be the last keys of every row)."""
+    takes the queries to be the last keys of every row: GPT.new_kv_cache refuses it)."""
 
-    def __init__(self, n_layer: int, batch_size: int, *args, **kwargs):
-        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long, device=kwargs.get("device"))
-        self.rows = slice(0, batch_size)
-        super().__init__(n_layer, batch_size, *args, **kwargs)
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        max_len: int,
+        head_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
+        super().__init__(n_layer, batch_size, n_head, max_len, head_size, device, dtype)
 
     @property
     def length(self) -> torch.Tensor:

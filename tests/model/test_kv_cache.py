@@ -94,3 +94,10 @@ def test_ragged_rows_each_match_their_own_full_forward(attention, options):
                     cache.move(len(rows) - 1, i)
                     rows[i] = rows[-1]
                     rows.pop()
+
+
+def test_a_ragged_cache_refuses_flash_attention():
+    """flash's tiles take every row's queries to be its last keys: a ragged cache would be
+    silently wrong, so it is refused where it is made."""
+    with pytest.raises(ValueError, match="attention=manual or sdpa, not flash"):
+        GPT(tiny_config(attention="flash")).new_kv_cache(2, ragged=True)
