@@ -8,6 +8,8 @@ server's requests decoding together).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -64,19 +66,12 @@ class RaggedKVCache(KVCache):
     history, or stale values) are masked as the future is. For manual and sdpa attention (flash
     takes the queries to be the last keys of every row: GPT.new_kv_cache refuses it)."""
 
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        n_head: int,
-        max_len: int,
-        head_size: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+    def __init__(self, n_layer: int, batch_size: int, *shape: int, **place: Any):
+        """KVCache's arguments; every row starts empty."""
+        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long)
         self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
-        super().__init__(n_layer, batch_size, n_head, max_len, head_size, device, dtype)
+        super().__init__(n_layer, batch_size, *shape, **place)
+        self.lengths = self.lengths.to(self.k.device)
 
     @property
     def length(self) -> torch.Tensor:
