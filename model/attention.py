@@ -37,7 +37,8 @@ def causal_attention(
     """Scaled dot-product attention under a mask; returns (output, probabilities S).
 
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
-    attend to key j (j <= i for causal attention). Dropout applies to S before it weighs V.
+    attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
+    lengths (model/kv_cache.py's RaggedKVCache). Dropout applies to S before it weighs V.
     """
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, Tq, Tk)
     scores = scores.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
@@ -79,11 +80,11 @@ class CausalSelfAttention(nn.Module):
         (T, hs/2), when pos_embedding is rope. Returns Y (B, T, C)."""
         B, T, C = x.shape
         q, k, v = self.heads(x, rope)  # each (B, nh, T, hs)
-        past = 0
+        allowed = self.causal_mask[:T, :T]  # (T, T)
+        fresh = cache is None or (isinstance(cache.length, int) and cache.length == 0)
         if cache is not None:
-            past = cache.length
+            allowed = cache.allowed(self.causal_mask, T)  # (T, past + T); ragged: (B, 1, T, L)
             k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
-        allowed = self.causal_mask[past : past + T, : past + T]  # (T, past + T)
         dropout_p = self.dropout if self.training else 0.0
 
         if self.impl == "manual":
@@ -95,9 +96,9 @@ class CausalSelfAttention(nn.Module):
                 q,
                 k,
                 v,
-                attn_mask=None if past == 0 else allowed,
+                attn_mask=None if fresh else allowed,
                 dropout_p=dropout_p,
-                is_causal=past == 0,
+                is_causal=fresh,
             )  # (B, nh, T, hs)
 
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)

@@ -31,7 +31,7 @@ from torch import nn
 
 from model.attention import CausalSelfAttention
 from model.config import GPTConfig
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, RaggedKVCache
 from model.norm import make_norm
 from model.rope import RotaryTables
 
@@ -169,22 +169,24 @@ class GPT(nn.Module):
         return logits
 
     def embed(
-        self, tok_emb: torch.Tensor, start: int = 0
+        self, tok_emb: torch.Tensor, start: int | torch.Tensor = 0
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The first block's input from token embeddings (B, T, C) at positions start, ...,
-        start + T - 1, and rope's (cos, sin) tables of those positions (None for learned)."""
+        start + T - 1, and rope's (cos, sin) tables of those positions (None for learned).
+        start (B, 1): each row from its own position (a RaggedKVCache's rows)."""
         T = tok_emb.size(1)
-        if start + T > self.config.block_size:
+        last = start if isinstance(start, int) else int(start.max())
+        if last + T > self.config.block_size:
             raise ValueError(
-                f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
+                f"input of {last + T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
         rope = None
         if self.rotary is not None:
             x = tok_emb  # positions enter through q and k, in every layer's attention
-            rope = self.rotary(start, T)  # (cos, sin), each (T, hs/2)
+            rope = self.rotary(start, T)  # (cos, sin), each (T, hs/2) or (B, 1, T, hs/2)
         else:
-            pos = torch.arange(start, start + T, device=tok_emb.device)  # (T,)
+            pos = torch.arange(T, device=tok_emb.device) + start  # (T,), or (B, T)
             x = tok_emb + self.transformer.wpe(pos)  # (B, T, C)
         return self.transformer.drop(x), rope
 
@@ -200,13 +202,17 @@ class GPT(nn.Module):
                 x = block(x, rope=rope)
         return torch.stack(probs)
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty KV cache sized for this model, on its device and in its dtype."""
-        c = self.config
-        w = self.transformer.wte.weight
-        return KVCache(
-            c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size, w.device, w.dtype
-        )
+    def new_kv_cache(
+        self, batch_size: int, max_len: int | None = None, ragged: bool = False
+    ) -> KVCache:
+        """An empty KV cache sized for this model, on its device and in its dtype; ragged: a
+        RaggedKVCache, whose rows end at lengths of their own."""
+        c, w = self.config, self.transformer.wte.weight
+        if ragged and c.attention == "flash":  # its tiles take every row to end where k does
+            raise ValueError("a ragged KV cache needs attention=manual or sdpa, not flash")
+        kind = RaggedKVCache if ragged else KVCache
+        shape = (c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size)
+        return kind(*shape, device=w.device, dtype=w.dtype)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context to `block_size` (at most the current one), as nanoGPT's does for

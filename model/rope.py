@@ -46,9 +46,13 @@ class RotaryTables(nn.Module):
         self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions start .. start + T - 1, each (T, hs/2)."""
-        return self.cos[start : start + T], self.sin[start : start + T]
+    def forward(self, start: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions start .. start + T - 1, each (T, hs/2); for a start per
+        row (B, 1), each row's own, (B, 1, T, hs/2) (broadcast over the heads)."""
+        if isinstance(start, int):
+            return self.cos[start : start + T], self.sin[start : start + T]
+        positions = start + torch.arange(T, device=start.device)  # (B, T)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Walk the README as a new user would: a clean clone, the README's install command in a fresh
-# venv, then train (short budget), sample, evaluate, Ctrl-C and resume, and a sweep, each step
+# venv, then train (short budget), sample, serve, evaluate, Ctrl-C and resume, and a sweep, each step
 # checking its exit code and its output. Run by .ci/run; takes a few minutes on 2 CPU cores.
 #
 #   scripts/readme_walk.sh [WORK_DIR]     (default: a new temporary directory)
@@ -63,6 +63,17 @@ expect sample.out '^\*\*ROMEO\*\*' "sample.py"
 test -s runs/walk/metrics.jsonl && test -s runs/walk/loss.png || fail "no metrics.jsonl or loss.png in the run dir"
 SAMPLE=$(sed -n 's/^sample: //p' train.out)  # the printed hint, run from another directory
 (cd / && eval "$SAMPLE max_new_tokens=5") > hint.out 2>&1 || { cat hint.out; fail "the printed '$SAMPLE' exited $?"; }
+
+step "python serve.py, and a completion through its API"
+python serve.py checkpoint=runs/walk port=0 > serve.out 2>&1 &
+PID=$!
+for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
+URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
+[ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
+python -c 'import sys, urllib.request as r; print(r.urlopen(sys.argv[1], b"{\"prompt\": \"**ROMEO**\", \"max_tokens\": 5}").read().decode())' \
+    "$URL/v1/completions" > completion.out || { kill "$PID"; cat serve.out; fail "the completion failed"; }
+kill "$PID"
+expect completion.out '"finish_reason": ?"length"' "serve.py's completion"
 
 step "python evaluate.py"
 python evaluate.py checkpoint=runs/walk > eval.out 2>&1 || { cat eval.out; fail "evaluate.py exited $?"; }

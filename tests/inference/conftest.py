@@ -1,9 +1,17 @@
-"""A small saved checkpoint and the sample.py config, as the command line would compose it."""
+"""A small saved checkpoint, the sample.py config as the command line would compose it, and
+serve.py servers on free local ports."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -60,3 +68,71 @@ def blank_line_run(tmp_path: Path) -> Path:
     run = tmp_path / "blank_line_run"
     save_checkpoint(run / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
     return run
+
+
+SERVE_PY = Path(__file__).resolve().parents[2] / "serve.py"
+
+
+@pytest.fixture(scope="session")
+def serve_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random GPT-2-vocabulary model with a 32-token window (long completions restart
+    it), saved as a run."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=16))
+    run = tmp_path_factory.mktemp("serve") / "run"
+    save_checkpoint(run / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
+    return run
+
+
+@pytest.fixture(scope="session")
+def start_server(serve_checkpoint: Path) -> Iterator[Callable[..., tuple[str, int]]]:
+    """start_server("key=value", ..., env={...}) -> (base URL, pid) of `python serve.py` on a
+    free local port, serving serve_checkpoint; ready when it prints the line that names its
+    address (read as it comes: no sleeps). Every server stops at the end of the session."""
+    servers: list[subprocess.Popen] = []
+
+    def start(*overrides: str, env: dict | None = None) -> tuple[str, int]:
+        args = [sys.executable, str(SERVE_PY), f"checkpoint={serve_checkpoint}", "port=0"]
+        server = subprocess.Popen(
+            [*args, *overrides],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        servers.append(server)
+        line = server.stdout.readline()  # "serving <name> on http://127.0.0.1:<port> (...)"
+        assert " on http://" in line, f"the server did not start: {line!r}"
+        return line.split(" on ")[1].split()[0], server.pid
+
+    yield start
+    for server in servers:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def server(start_server) -> str:
+    """The base URL of a server with the default limits and no API key."""
+    return start_server()[0]
+
+
+def request(url: str, method: str, path: str, body=None, headers=None, parse=json.loads):
+    """(status, headers, parsed JSON) of one raw HTTP request; body: bytes, or JSON-able."""
+    connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, data, headers or {})
+    response = connection.getresponse()
+    answer = (response.status, response.headers, parse(response.read()))
+    connection.close()
+    return answer
+
+
+def wait_until_idle(url: str) -> dict:
+    """/api/info once no job decodes or waits (polled; the deadline only ends a hung test)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        info = request(url, "GET", "/api/info")[2]
+        if info["active"] == info["waiting"] == 0:
+            return info
+        time.sleep(0.02)
+    raise AssertionError(f"the server still holds jobs: {info}")

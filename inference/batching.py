@@ -1,0 +1,152 @@
+"""Batched decoding: the requests a server holds decode together, one forward a step for all.
+
+Each request is a `Job` with its own prompt, sampling settings, torch.Generator and stop strings.
+A worker thread keeps up to `max_batch` of them in the rows of one RaggedKVCache
+(model/kv_cache.py), each row at its own length. A step: jobs that finished or were cancelled
+leave (the last row moves into the freed one), waiting jobs join, every job whose window is new
+or full gets it (re)filled alone in its row, all but its newest token; then one forward over
+all rows, a token each, and each row's next token from `next_token` with that job's settings.
+
+The tokens are generate.py's, for the same settings and seed: each job follows TokenContext's
+window (the prompt's last block_size tokens, restarted at the last block_size // 2 when full),
+its logits are the same sums in another batch shape (within 1e-5 in float32), and its draws come
+from its own generator, as sample.py's single sample's do.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.decoding import decodes_from_a_copy, decoding_copy
+from inference.generate import SamplingParams, next_token
+from inference.text import TextStream
+from model import GPT
+
+
+@dataclass(eq=False)
+class Job:
+    """One completion. `emit(job, text, token, finish_reason, logits)` is called from the worker
+    thread after each token, with the text that became safe to show, finish_reason "stop" (the
+    end-of-text token or a stop string) or "length" (max_tokens) on the last one, and the logits
+    (V,) the token was drawn from; or once with finish_reason "error" (token -1, logits None)
+    when decoding failed. Set
+    `cancelled` from any thread: the job leaves at the next step, without another emit."""
+
+    ids: list[int]  # the prompt's tokens, at least one
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator
+    text: TextStream
+    emit: Callable[[Job, str, int, str | None, torch.Tensor | None], None]
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
+    start: int = -1  # where its window starts; -1: not filled yet
+
+
+class Batcher:
+    """Decodes Jobs in batches on a worker thread; `submit` refuses jobs past its capacity."""
+
+    def __init__(self, model: GPT, eot: int, vocab_size: int, max_batch: int, max_waiting: int):
+        self.model, self.eot, self.max_batch, self.max_waiting = model, eot, max_batch, max_waiting
+        self.block_size = model.config.block_size
+        self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
+        self.cache = model.new_kv_cache(max_batch, ragged=True)
+        w = model.lm_head.weight
+        self.padding = torch.arange(model.config.vocab_size, device=w.device) >= vocab_size
+        self.active: list[Job] = []  # row i of the cache holds active[i]
+        self.waiting: list[Job] = []
+        self.wake = threading.Condition()
+
+    def start(self) -> None:
+        """Run the decoding loop on a daemon thread (it lives as long as the process)."""
+        threading.Thread(target=self._loop, name="batcher", daemon=True).start()
+
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue all of `jobs`, or none when they would pass max_batch + max_waiting."""
+        with self.wake:
+            if len(self.active) + len(self.waiting) + len(jobs) > self.max_batch + self.max_waiting:
+                return False
+            self.waiting += jobs
+            self.wake.notify()
+        return True
+
+    def counts(self) -> dict[str, int]:
+        """Jobs decoding and waiting now."""
+        with self.wake:
+            return {"active": len(self.active), "waiting": len(self.waiting)}
+
+    def _loop(self) -> None:
+        while True:
+            with self.wake:
+                self.wake.wait_for(lambda: self.active or self.waiting)
+            try:
+                self.step()
+            except Exception:  # a bug: its traceback shown, its jobs ended, the others served
+                traceback.print_exc()
+                with self.wake:
+                    failed, self.active, self.waiting = self.active + self.waiting, [], []
+                for job in failed:
+                    job.emit(job, "", -1, "error", None)
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor | None:
+        """One decoding step of every active job; returns the logits the tokens were drawn from
+        (rows, V), before sampling filters, or None when no job was left to decode."""
+        with self.wake:  # leave, then join: the batch's rows change only here
+            for i in reversed(range(len(self.active))):
+                job = self.active[i]
+                if job.cancelled or job.text.done:
+                    self.cache.move(len(self.active) - 1, i)
+                    self.active[i] = self.active[-1]
+                    self.active.pop()
+            self.waiting = [job for job in self.waiting if not job.cancelled]
+            joining = self.max_batch - len(self.active)
+            self.active += self.waiting[:joining]
+            del self.waiting[:joining]
+            jobs = list(self.active)
+        if not jobs:
+            return None
+        for row, job in enumerate(jobs):
+            self._fill(row, job)
+        self.cache.rows = slice(0, len(jobs))
+        newest = torch.cat([job.seq[:, -1:] for job in jobs])  # (rows, 1)
+        x = self.decoder.hidden_states(newest, self.cache)
+        logits = self.decoder.logits(x[:, -1]).masked_fill(self.padding, float("-inf"))
+        for row, job in enumerate(jobs):
+            token = next_token(logits[row : row + 1], job.seq, job.params, job.generator)
+            job.seq = torch.cat([job.seq, token[:, None]], dim=1)
+            self._emit(job, int(token), logits[row])
+        return logits
+
+    def _fill(self, row: int, job: Job) -> None:
+        """Put the job's window but its newest token in its row, when the window is new (the
+        prompt's last block_size tokens) or full (its last block_size // 2): generate.py's."""
+        if job.seq is None:
+            job.seq = torch.tensor([job.ids], device=self.padding.device)
+            job.start = max(0, len(job.ids) - self.block_size)
+        elif job.seq.size(1) - job.start > self.block_size:
+            job.start = job.seq.size(1) - max(1, self.block_size // 2)
+        else:
+            return
+        self.cache.rows = slice(row, row + 1)
+        self.cache.length = 0
+        if job.seq.size(1) - 1 > job.start:
+            self.decoder.hidden_states(job.seq[:, job.start : -1], self.cache)
+
+    def _emit(self, job: Job, token: int, logits: torch.Tensor) -> None:
+        """Pass the token on; the job's text is done (it leaves) when the token ends it."""
+        job.tokens.append(token)
+        if token == self.eot:
+            text, reason = job.text.finish(), "stop"
+        else:
+            text = job.text.push(token)
+            reason = "stop" if job.text.done else None
+            if reason is None and len(job.tokens) == job.max_tokens:
+                text, reason = text + job.text.finish(), "length"
+        job.emit(job, text, token, reason, logits)

@@ -1,0 +1,417 @@
+"""`python serve.py`: OpenAI's completions API over batched decoding, and a page that shows S.
+
+POST /v1/completions and GET /v1/models follow OpenAI's API for a base model (errors in its
+shape: {"error": {"message", "type", "param", "code"}}); the requests decode together
+(inference/batching.py). GET / is the page (inference/page.html), drawn from two JSON endpoints:
+POST /api/attention (S of every layer for a text) and POST /api/causality (how far each
+position's next-token distribution moves when one token is replaced). GET /api/info holds the
+model's shape, the limits and the jobs decoding and waiting. Nothing else is served.
+
+Safe by default: it binds 127.0.0.1; every request is bounded (body bytes, prompt tokens,
+max_tokens, n, jobs queued: 429 past it); an API key, when set, is required as `Authorization:
+Bearer <key>` on /v1 and /api; a client that hangs up cancels its jobs, which leave the batch at
+the next step; a bad request gets a 400 naming its field, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+import torch
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from base.checks import check, is_int
+from base.errors import user_errors
+from checkpoints.sources import load_source
+from checkpoints.store import find_checkpoint
+from hardware.device import resolve_device
+from inference.attention_plot import token_labels
+from inference.batching import Batcher, Job
+from inference.decoding import decoding_dtype
+from inference.generate import SamplingParams
+from inference.text import TextStream
+from model import GPT
+
+PAGE = Path(__file__).with_name("page.html")
+KEY_VARIABLE = "CAUSALGPT_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class ApiError(Exception):
+    """A request the server refuses (4xx) or failed (5xx): its status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, **headers: str):
+        self.status, self.param, self.headers = status, param, headers
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        self.body = error_body(message, param, kind)
+
+
+class Strict(BaseModel):
+    """A body with exactly these fields, of exactly these types: "5" is not a number here, so a
+    client's mistake is a 400 naming the field, not a guess."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class CompletionRequest(Strict):
+    """OpenAI's completion fields a base model can honour, and our own filters."""
+
+    model: str | None = None
+    prompt: str | list[str] = ""
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    user: str | None = None
+    top_k: int | None = Field(None, ge=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+
+
+class AttentionRequest(Strict):
+    text: str
+
+
+class CausalityRequest(Strict):
+    ids: list[int] = Field(min_length=1)
+    position: int = Field(ge=0)
+    replacement: str
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape, which its clients parse into their exceptions."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class Server:
+    """The model, its tokenizer, the batcher and the limits behind the app's routes."""
+
+    def __init__(self, model: GPT, tokenizer: tiktoken.Encoding, name: str, limits: dict):
+        self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits
+        self.key = limits.pop("api_key")
+        self.batcher = Batcher(
+            model, tokenizer.eot_token, tokenizer.n_vocab, limits["max_batch"], limits["max_queue"]
+        )
+        self.page = PAGE.read_text(encoding="utf-8")
+
+    def authorize(self, request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if self.key and not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>")
+
+    async def parse(self, request: Request, kind: type[Strict]) -> Any:
+        """The body as `kind`: at most max_body_bytes of JSON with exactly its fields."""
+        body = b""
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.limits["max_body_bytes"]:
+                    raise ApiError(413, f"the body is over {self.limits['max_body_bytes']} bytes")
+        except ClientDisconnect:  # gone before its body came: nobody to answer
+            raise ApiError(499, "the client closed the request") from None
+        try:
+            return kind.model_validate(json.loads(body))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError too
+            first = e.errors()[0] if isinstance(e, ValidationError) else None
+            if first is None:
+                raise ApiError(400, f"the body is not JSON: {e}") from None
+            param = ".".join(str(p) for p in first["loc"][:1]) or None
+            shown = repr(first["input"])[:60]
+            raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's tokens (sample.py's: <|endoftext|> for an empty one), within the limit."""
+        ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
+        if len(ids) > (limit := self.limits["max_prompt_tokens"]):
+            raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {limit}", "prompt")
+        return ids
+
+    def jobs(self, req: CompletionRequest, prompts: list[str], emit: Any) -> list[Job]:
+        """One job per prompt and choice (index prompt * n + choice; seed + index), checked
+        against the limits."""
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for param, value, limit in [
+            ("max_tokens", req.max_tokens, self.limits["max_tokens"]),
+            ("n", req.n, self.limits["max_n"]),
+            ("prompt", len(prompts), self.limits["max_n"]),
+            ("stop", len(stop), 4),
+        ]:
+            if value > limit:
+                raise ApiError(400, f"{param} is at most {limit}, got {value}", param)
+        if not prompts or not all(stop):
+            param = "stop" if prompts else "prompt"
+            raise ApiError(400, f"{param} must not be empty", param)
+        top_p = None if req.top_p == 1 else req.top_p
+        params = SamplingParams(
+            req.temperature, req.top_k, top_p, req.min_p, req.repetition_penalty
+        )
+        seed = secrets.randbits(62) if req.seed is None else req.seed
+        ids = [self.encode(p) for p in prompts]
+        return [
+            Job(
+                ids[i // req.n],
+                params,
+                req.max_tokens,
+                torch.Generator().manual_seed(seed + i),
+                TextStream(self.tokenizer, stop),
+                emit,
+            )
+            for i in range(len(prompts) * req.n)
+        ]
+
+    def logprobs(self, token: int, logits: torch.Tensor, top: int) -> dict:
+        """OpenAI's legacy logprobs of one token: its own and the `top` likeliest."""
+        logprobs = logits.float().log_softmax(-1)
+        values, ids = logprobs.topk(top)
+        text = self.tokenizer.decode
+        likeliest = {text([i]): v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+        return {
+            "tokens": [text([token])],
+            "token_logprobs": [float(logprobs[token])],
+            "top_logprobs": [likeliest],
+        }
+
+    async def completions(self, request: Request) -> Any:
+        """POST /v1/completions: the jobs go to the batcher; their pieces come back through an
+        asyncio queue (the worker thread puts them on this event loop) as events or one JSON."""
+        req = await self.parse(request, CompletionRequest)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(job: Job, text: str, token: int, reason: str | None, logits: torch.Tensor):
+            top = req.logprobs
+            logprobs = None if top is None or logits is None else self.logprobs(token, logits, top)
+            choice = dict(text=text, index=jobs.index(job), logprobs=logprobs, finish_reason=reason)
+            loop.call_soon_threadsafe(events.put_nowait, choice)
+
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        jobs = self.jobs(req, prompts, emit)
+        if not self.batcher.submit(jobs):
+            raise ApiError(
+                429, "the server is full; retry in a moment", None, **{"Retry-After": "1"}
+            )
+        head = dict(
+            id=f"cmpl-{secrets.token_hex(12)}",
+            object="text_completion",
+            created=int(time.time()),
+            model=self.name,
+        )
+        echoed = [prompts[i // req.n] if req.echo else "" for i in range(len(jobs))]
+
+        async def choices() -> AsyncIterator[dict]:
+            """Every choice's pieces as they come, until all are finished or the client hangs
+            up (a None from the watcher; a stream's task is cancelled by StreamingResponse)."""
+            for index, text in enumerate(echoed):
+                if text:
+                    yield dict(text=text, index=index, logprobs=None, finish_reason=None)
+            left = len(jobs)
+            while left and (choice := await events.get()) is not None:
+                if choice["finish_reason"] == "error":
+                    raise ApiError(500, "decoding failed (the server's log has the traceback)")
+                left -= choice["finish_reason"] is not None
+                yield choice
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                async for choice in choices():
+                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                yield "data: [DONE]\n\n"
+            except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
+                yield f"data: {json.dumps(e.body)}\n\n"
+            finally:  # finished, or cancelled: the jobs leave the batch at its next step
+                cancel(jobs)
+
+        if req.stream:
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        watcher = asyncio.ensure_future(_hang_up(request, events))
+        try:
+            pieces = [choice async for choice in choices()]
+        finally:
+            watcher.cancel()
+            cancel(jobs)
+        merged = [
+            dict(text="", index=i, logprobs=None, finish_reason=None) for i in range(len(jobs))
+        ]
+        for piece in pieces:
+            choice = merged[piece["index"]]
+            choice["text"] += piece["text"]
+            choice["finish_reason"] = piece["finish_reason"]
+            if piece["logprobs"]:
+                for key, value in piece["logprobs"].items():
+                    choice["logprobs"] = choice["logprobs"] or {}
+                    choice["logprobs"].setdefault(key, []).extend(value)
+        generated = sum(len(job.tokens) for job in jobs)
+        prompt = sum(len(job.ids) for job in jobs[:: req.n])
+        usage = dict(
+            prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
+        )
+        return {**head, "choices": merged, "usage": usage}
+
+    def attention(self, req: AttentionRequest) -> dict:
+        """S of every head of every layer over the text's first page_tokens tokens."""
+        every = self.tokenizer.encode_ordinary(req.text) or [self.tokenizer.eot_token]
+        ids = every[: self.limits["page_tokens"]]
+        idx = torch.tensor([ids], device=self.model.lm_head.weight.device)
+        probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
+        return {
+            "ids": ids,
+            "tokens": token_labels(self.tokenizer, ids),
+            "heads": probs.mul(1e6).round().div(1e6).tolist(),  # 6 decimals: 3 MB at 8 x 4 x 64²
+            "truncated": len(every) > len(ids),
+        }
+
+    @torch.inference_mode()
+    def causality(self, req: CausalityRequest) -> dict:
+        """Each position's largest change in its next-token probabilities when the token at
+        `position` is replaced: exactly 0 before it, for a causal model (manual attention)."""
+        ids, j, limit = req.ids, req.position, self.limits["page_tokens"]
+        new = self.tokenizer.encode_ordinary(req.replacement)
+        for ok, param, rule in [
+            (len(ids) <= limit and all(0 <= i < self.tokenizer.n_vocab for i in ids), "ids",
+             f"at most {limit} of the tokenizer's ids"),
+            (j < len(ids), "position", "a position of ids"),
+            (len(new) == 1, "replacement", "text that is one token"),
+        ]:  # fmt: skip
+            if not ok:
+                raise ApiError(400, f"{param} must be {rule}", param)
+        edited = [*ids[:j], new[0], *ids[j + 1 :]]
+        device = self.model.lm_head.weight.device
+        p, q = (
+            self.model(torch.tensor([x], device=device))[0][0].softmax(-1) for x in (ids, edited)
+        )
+        diffs = (p - q).abs().amax(-1).tolist()  # (T,)
+        return {
+            "ids": edited,
+            "tokens": token_labels(self.tokenizer, edited),
+            "differences": diffs,
+            "before": max(diffs[:j], default=0.0),
+            "from": max(diffs[j:]),
+        }
+
+    def info(self) -> dict:
+        """What the page needs before it draws: the model's shape and the limits."""
+        c = self.model.config
+        dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+        shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
+        return {"model": self.name, **shape, "limits": self.limits, **self.batcher.counts()}
+
+
+async def _hang_up(request: Request, events: asyncio.Queue) -> None:
+    """Wait for the client to disconnect (the body is read by now), then end the wait."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait(None)
+
+
+def cancel(jobs: list[Job]) -> None:
+    """Mark the jobs cancelled: the batcher drops each at its next step (a no-op once done)."""
+    for job in jobs:
+        job.cancelled = True
+
+
+def create_app(server: Server) -> FastAPI:
+    """The routes; no file but the page, no OpenAPI docs (their pages load from the internet)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    api = APIRouter(dependencies=[Depends(server.authorize)])
+
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body, e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def not_here(request: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail)), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def broken(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body("internal error", kind="server_error"), 500)
+
+    @app.get("/", response_class=HTMLResponse)
+    def page() -> str:
+        return server.page
+
+    @api.get("/v1/models")
+    def models() -> dict:
+        card = dict(id=server.name, object="model", created=0, owned_by="causalgpt")
+        return {"object": "list", "data": [card]}
+
+    api.post("/v1/completions")(server.completions)
+    api.get("/api/info")(server.info)
+
+    @api.post("/api/attention")
+    async def attention(request: Request) -> dict:
+        req = await server.parse(request, AttentionRequest)
+        return await asyncio.to_thread(server.attention, req)
+
+    @api.post("/api/causality")
+    async def causality(request: Request) -> dict:
+        req = await server.parse(request, CausalityRequest)
+        return await asyncio.to_thread(server.causality, req)
+
+    app.include_router(api)
+    return app
+
+
+def limits(cfg: Mapping[str, Any]) -> dict:
+    """The limits and the key, checked (before a model is loaded)."""
+    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1, page_tokens=1)
+    values = {
+        n: check(n, cfg[n], is_int(cfg[n], low), f"an integer >= {low}") for n, low in lows.items()
+    }
+    prompt = cfg["max_prompt_tokens"]
+    check(
+        "max_prompt_tokens", prompt, prompt is None or is_int(prompt, 1), "an integer >= 1 or null"
+    )
+    key = cfg["api_key"] or os.environ.get(KEY_VARIABLE) or None
+    check("api_key", "<hidden>", key is None or isinstance(key, str), "a string or null")
+    return {**values, "max_prompt_tokens": prompt, "api_key": key}
+
+
+def main(cfg: Mapping[str, Any]) -> int:
+    """Serve until interrupted; a bad config exits 2 with one `error:` line."""
+    with user_errors():
+        host, port, values = str(cfg["host"]), cfg["port"], limits(cfg)
+        check("port", port, is_int(port, 0) and port < 65536, "an integer in [0, 65535]")
+        if host not in LOOPBACK:
+            keyless = "" if values["api_key"] else f" (no API key: api_key= or {KEY_VARIABLE})"
+            warning = f"host={host}: anyone who can reach this port can use the model{keyless}"
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        device = resolve_device(str(cfg["device"]))
+        dtype = decoding_dtype(str(cfg["dtype"]), device)
+        source = cfg["checkpoint"] or find_checkpoint(None)  # null: the newest run
+        ckpt = load_source(source, device, attention="manual")  # the mask explicit: see causality
+        model = ckpt.model.to(dtype).eval()
+        block = model.config.block_size
+        values["max_prompt_tokens"] = min(values["max_prompt_tokens"] or block, block)
+        values["page_tokens"] = min(values["page_tokens"], block)
+        server = Server(model, ckpt.tokenizer(), str(source), values)
+        ipv6 = ":" in host
+        sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET
+        )
+    server.batcher.start()
+    where = f"http://{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
+    print(f"serving {server.name} on {where} (the page: {where}/)", flush=True)
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

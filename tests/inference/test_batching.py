@@ -1,0 +1,114 @@
+"""Jobs decoded together give each job's own single-sequence logits and tokens (generate.py's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import pytest
+import torch
+
+from data.tokenizer import get_tokenizer
+from inference.batching import Batcher, Job
+from inference.generate import SamplingParams, TokenContext, stream_tokens
+from inference.text import TextStream
+from model import GPT, GPTConfig
+
+SETTINGS = [  # (prompt length, max_tokens, params, seed): windows restart past 16 tokens
+    (5, 30, SamplingParams(temperature=0), 0),
+    (1, 20, SamplingParams(temperature=0.9, top_k=50), 1),
+    (12, 25, SamplingParams(temperature=1.2, top_p=0.9, repetition_penalty=1.3), 2),
+    (16, 7, SamplingParams(temperature=0.7, min_p=0.05), 3),
+]
+
+
+@pytest.fixture
+def model() -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50304, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    return GPT(config).eval()
+
+
+def _jobs(model: GPT) -> list[Job]:
+    tokenizer = get_tokenizer("gpt2")
+    torch.manual_seed(1)
+    return [
+        Job(
+            ids=torch.randint(0, 50257, (n,)).tolist(),
+            params=params,
+            max_tokens=max_tokens,
+            generator=torch.Generator().manual_seed(seed),
+            text=TextStream(tokenizer),
+            emit=lambda *args: None,
+        )
+        for n, max_tokens, params, seed in SETTINGS
+    ]
+
+
+def test_each_row_has_its_single_sequence_logits_and_tokens(model):
+    """Jobs join at different steps (one after three steps) and leave at different steps; at
+    every step each row's logits are TokenContext's for that job's tokens (within 1e-5), and
+    each job's tokens are stream_tokens' for its settings and seed."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=3, max_waiting=8)
+    jobs = _jobs(model)
+    assert batcher.submit(jobs[:3])
+    contexts = {id(j): TokenContext(model, torch.tensor([j.ids]), vocab_size=50257) for j in jobs}
+    for step in range(60):
+        if step == 3:
+            assert batcher.submit(jobs[3:])  # waits for a free row: max_batch is 3
+        logits = batcher.step()
+        if logits is None:
+            break
+        rows = list(batcher.active)
+        assert 0 < len(rows) <= 3
+        for row, job in enumerate(rows):
+            context = contexts[id(job)]
+            with torch.inference_mode():
+                expected = context.logits()[0]
+            torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
+            context.append(torch.tensor(job.tokens[-1:]))
+    assert batcher.step() is None and not batcher.active and not batcher.waiting
+    for job, (_, max_tokens, params, seed) in zip(jobs, SETTINGS, strict=True):
+        generator = torch.Generator().manual_seed(seed)
+        steps = stream_tokens(
+            model, torch.tensor([job.ids]), max_tokens, params, generator, vocab_size=50257
+        )
+        assert job.tokens == [int(t) for t in steps]
+
+
+def test_a_cancelled_job_leaves_and_a_full_batcher_refuses(model):
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=1)
+    jobs = _jobs(model)
+    assert batcher.submit(jobs[:3])
+    assert not batcher.submit(jobs[3:])  # 2 decoding + 1 waiting: full
+    batcher.step()
+    assert batcher.counts() == {"active": 2, "waiting": 1}
+    jobs[0].cancelled = True
+    batcher.step()
+    assert batcher.active == [jobs[1], jobs[2]]  # the last row moved up; the joiner came last
+
+
+def test_a_failing_step_ends_its_jobs_and_the_worker_serves_on(model):
+    """A bug inside a step (here a job's callback raising) ends the jobs it held with
+    finish_reason "error"; the worker thread lives on and decodes the next job."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
+    batcher.start()
+    reasons: dict[int, list[str]] = {0: [], 1: []}
+    ended = {0: threading.Event(), 1: threading.Event()}
+
+    def emit(which: int, job: Job, text: str, token: int, reason: str | None, logits) -> None:
+        if which == 0 and reason != "error":
+            raise RuntimeError("a bug in a callback")
+        if reason is not None:
+            reasons[which].append(reason)
+            ended[which].set()
+
+    broken, good = (
+        dataclasses.replace(j, emit=functools.partial(emit, i))
+        for i, j in enumerate(_jobs(model)[:2])
+    )
+    assert batcher.submit([broken])
+    assert ended[0].wait(120) and reasons[0] == ["error"]
+    assert batcher.submit([good])
+    assert ended[1].wait(120) and reasons[1] == ["length"] and len(good.tokens) == good.max_tokens
