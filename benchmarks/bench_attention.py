@@ -34,8 +34,8 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from model.attention import causal_attention
     from model.flash_attention import flash_causal_attention
+    from model.gpt import causal_attention
 
     impl, T_ = cell["impl"], torch.Tensor
 

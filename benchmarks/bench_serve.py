@@ -33,8 +33,7 @@ from harness import head, row
 from checkpoints.store import save_checkpoint
 from data.tokenizer import get_tokenizer
 from inference.batching import Batcher, Job
-from inference.generate import SamplingParams
-from inference.text import TextStream
+from inference.generate import SamplingParams, TextStream
 from model import GPT, GPTConfig
 from model.config import load_preset
 

@@ -34,9 +34,8 @@ from base.files import atomic_path, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.sources import load_source
-from checkpoints.store import Checkpoint, find_checkpoint
+from checkpoints.store import Checkpoint, find_checkpoint, stored_state
 from model import GPTConfig
-from model.weights import stored_state
 
 EOT = "<|endoftext|>"
 # transformers' class of each architecture, by its column in checkpoints.hf.FIELDS

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from checkpoints.store import read_safetensors_header, stored_shapes, stored_state
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.weights import read_safetensors_header, stored_shapes, stored_state
 
 # HF's Conv1D weights, stored (in, out): the transpose of our Linear's
 CONV1D_WEIGHTS = (

@@ -1,7 +1,6 @@
 """Sampling from a trained causalgpt: `from inference import generate, SamplingParams`."""
 
-from inference.generate import SamplingParams, generate, stream_tokens
-from inference.text import TextStream
+from inference.generate import SamplingParams, TextStream, generate, stream_tokens
 
 __all__ = [
     "SamplingParams",

@@ -2,7 +2,7 @@
 
 Each request is a `Job` with its own prompt, sampling settings, torch.Generator and stop strings.
 A worker thread keeps up to `max_batch` of them in the rows of one RaggedKVCache
-(model/kv_cache.py), each row at its own length. A step: jobs that finished or were cancelled
+(model/gpt.py), each row at its own length. A step: jobs that finished or were cancelled
 leave (the last row moves into the freed one), waiting jobs join, every job whose window is new
 or full gets it (re)filled alone in its row, all but its newest token; then one forward over
 all rows, a token each, and each row's next token from `next_token` with that job's settings.
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.decoding import decodes_from_a_copy, decoding_copy
-from inference.generate import SamplingParams, next_token
-from inference.text import TextStream
+from inference.generate import SamplingParams, TextStream, next_token
 from model import GPT
 
 

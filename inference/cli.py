@@ -24,8 +24,7 @@ from data.sources import read_utf8
 from hardware.device import resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.decoding import decoding_dtype
-from inference.generate import SamplingParams, stream_tokens
-from inference.text import TextStream, decode_escapes
+from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
 from model import GPT
 
 SEPARATOR = "---------------"

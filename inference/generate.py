@@ -1,4 +1,5 @@
-"""Autoregressive generation: sampling parameters, the next-token rule, and a KV-cached stream.
+"""Autoregressive generation: logit filters, sampling parameters, the next-token rule, a KV-cached
+stream of tokens, and the text they make (incremental UTF-8, stop strings).
 
 Which tokens each new token sees (the same with and without the cache, so `use_cache` changes
 the speed, never the tokens): the window starts at the first token and grows one token a step;
@@ -14,18 +15,66 @@ forward over block_size tokens.)
 
 from __future__ import annotations
 
+import codecs
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import tiktoken
 import torch
 import torch.nn.functional as F
 
 from base.checks import check, is_int, is_number
 from inference.decoding import cpu_threads, decodes_from_a_copy, decoding_copy, is_sharded
-from inference.filters import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 from model import GPT
+
+# ----- logit filters -----------------------------------------------------------------------------
+
+# Logit filters for sampling, applied by `next_token` in this order:
+# repetition penalty -> temperature -> top-k -> top-p -> min-p.
+#
+# Each takes float logits (B, V) and returns new logits in which removed tokens are -inf, so the
+# filters compose and the final softmax renormalises over the tokens that survive.
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, context: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al., 2019): every token that occurs in `context` (B, T) gets
+    less likely. Positive logits are divided by `penalty`, negative ones multiplied by it
+    (dividing a negative logit would raise it). penalty < 1 favours repetition instead."""
+    seen = logits.gather(-1, context)
+    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits.scatter(-1, context, seen)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k highest logits of each row (ties broken by topk's order)."""
+    keep = logits.topk(min(k, logits.size(-1)), dim=-1).indices
+    return torch.full_like(logits, float("-inf")).scatter(-1, keep, logits.gather(-1, keep))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al., 2020): keep the smallest set of most likely tokens
+    whose probabilities add up to at least p. The most likely token always survives."""
+    sorted_probs, order = F.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # of strictly more likely tokens
+    remove_sorted = mass_before >= p
+    remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """min-p (Nguyen et al., 2024): keep tokens at least p times as likely as the most likely
+    one, so the cut adapts to how confident the model is."""
+    probs = F.softmax(logits, dim=-1)
+    threshold = p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+# ----- sampling and the token stream -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,3 +251,70 @@ def generate(model: GPT, idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.
     (B, T + n)."""
     steps = stream_tokens(model, idx, *args, **kwargs)
     return torch.cat([idx, *(token[:, None] for token in steps)], dim=1)
+
+
+# ----- from tokens to text -----------------------------------------------------------------------
+
+# From tokens to text as they arrive: incremental UTF-8 decoding and stop strings.
+#
+# A BPE token can end in the middle of a UTF-8 character (an emoji is often two or three
+# byte-level tokens), so text is shown only once its characters are complete. Text that could be
+# the beginning of a stop string is held back until it is clear whether the stop string follows.
+
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|(.))", re.DOTALL)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def decode_escapes(text: str) -> str:
+    r"""`\n`, `\t`, `\r`, `\\` and `\uXXXX` as the characters they name: the shell and Hydra
+    pass `'stop=["\n\n"]'` on as backslash, n. Any other backslash stays as written."""
+    # group 1: the hex digits of \\uXXXX; group 2: the character after any other backslash
+    return _ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _ESCAPES.get(m[2], m[0]), text)
+
+
+class TextStream:
+    """One sample's text, token by token. `push` returns the text that became safe to show;
+    the sample ends at the first stop string (which is not shown) or at `finish`."""
+
+    def __init__(self, tokenizer: tiktoken.Encoding, stop: Sequence[str] = ()):
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._token_bytes = tokenizer.decode_single_token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(stop)
+        self._held = ""  # decoded, not yet shown: it may be the start of a stop string
+        self.text = ""  # everything shown so far
+        self.done = False
+
+    def push(self, token: int) -> str:
+        """Add one token; return the new text that is now complete (possibly "")."""
+        if self.done:
+            return ""
+        return self._release(self._utf8.decode(self._token_bytes(token)))
+
+    def finish(self) -> str:
+        """End the sample (end-of-text or token budget); return whatever was held back, with
+        an unfinished character shown as U+FFFD."""
+        if self.done:
+            return ""
+        shown = self._release(self._utf8.decode(b"", final=True))
+        rest, self._held, self.done = self._held, "", True
+        self.text += rest
+        return shown + rest
+
+    def _release(self, new: str) -> str:
+        buf = self._held + new
+        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self._held, self.done, shown = "", True, buf[: min(hits)]
+        else:
+            held = max((_overlap(buf, s) for s in self._stop), default=0)
+            self._held, shown = buf[len(buf) - held :], buf[: len(buf) - held]
+        self.text += shown
+        return shown
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of stop."""
+    longest_first = range(min(len(text), len(stop) - 1), 0, -1)
+    return next((n for n in longest_first if text.endswith(stop[:n])), 0)

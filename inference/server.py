@@ -44,8 +44,7 @@ from hardware.device import resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job
 from inference.decoding import decoding_dtype
-from inference.generate import SamplingParams
-from inference.text import TextStream
+from inference.generate import SamplingParams, TextStream
 from model import GPT
 
 PAGE = Path(__file__).with_name("page.html")

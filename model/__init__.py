@@ -1,8 +1,7 @@
 """The causalgpt model: `from model import GPT, GPTConfig`."""
 
 from model.config import ATTENTION_IMPLS, GPTConfig, load_preset, preset_names
-from model.gpt import GPT, eval_mode
-from model.kv_cache import KVCache
+from model.gpt import GPT, KVCache, eval_mode
 
 __all__ = [
     "ATTENTION_IMPLS",

@@ -7,7 +7,7 @@ logits = Norm(x) @ W_head^T                  # (B, T, vocab), W_head = wte unles
 The defaults are GPT-2 (checkpoints/hf.py imports its weights); each option changes one line:
 
   pos_embedding  learned: + wpe[0..T) as above | rope: no wpe; Attn rotates each head's q and k
-                 by their positions (model/rope.py)
+                 by their positions (model/gpt.py)
   norm           layernorm: LN(x) = (x - mean) / std * g + b | rmsnorm: x / rms(x) * g
   qk_norm        true: Attn RMS-normalises each head's q and k (before rope)
   mlp            gelu:   MLP(x) = GELU(x W_fc) W_proj                 (hidden: mlp_ratio * C)
@@ -16,6 +16,23 @@ The defaults are GPT-2 (checkpoints/hf.py imports its weights); each option chan
   logit_softcap  cap: logits = cap * tanh(logits / cap), so |logits| < cap (loss included)
   tie_embeddings false: W_head is its own matrix
   zero_init_proj true: the projections into the residual stream (W_O, W_proj) start at zero
+
+Multi-head causal self-attention, written out as the formula.
+
+    Q = X W_Q,  K = X W_K,  V = X W_V                       (one fused Linear, split in three)
+    per head h:  S_h = softmax(mask(Q_h K_h^T / sqrt(d_k)))  (mask: -inf strictly above diagonal)
+                 Y_h = S_h V_h
+    Y = concat(Y_1, ..., Y_H) W_O                           (d_k = d_model / H)
+
+Options, applied to Q_h and K_h after the split into heads and in this order: `qk_norm: true`
+replaces them by RMSNorm(Q_h), RMSNorm(K_h) (one gain of d_k entries each, shared by the
+heads), and `pos_embedding: rope` rotates them by their positions (below).
+
+`attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
+scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
+`attention: flash` computes the same thing tile by tile without ever storing S, so its memory
+grows linearly with T (model/flash_attention.py). `probs` computes S by the formula, for any
+of the three (the attention plots and tests ask for it; the forward pass never does).
 """
 
 from __future__ import annotations
@@ -24,16 +41,317 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import CausalSelfAttention
 from model.config import GPTConfig
-from model.kv_cache import KVCache, RaggedKVCache
-from model.norm import make_norm
-from model.rope import RotaryTables
+from model.flash_attention import flash_causal_attention
+
+# ----- norms: LayerNorm and RMSNorm --------------------------------------------------------------
+
+# The two normalisations a block can use (`norm: layernorm | rmsnorm`), also used for qk_norm.
+#
+#     LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * g + b     (GPT-2)
+#     RMSNorm(x)   = x / sqrt(mean(x^2) + eps) * g                  (no centring, no bias)
+#
+# both over the last dimension.
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # the gain g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Computed in float32 and returned in x's dtype (shape too). Under bfloat16 autocast
+        qk_norm gets bfloat16 q and k and a float32 gain: F.rms_norm on mixed dtypes warns
+        and falls back to its slow path, and would return float32."""
+        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
+        return y.type_as(x)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The norm of the blocks and the final norm, over n_embd. RMSNorm has no bias, whatever
+    `bias` says."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+# ----- rotary position embeddings ----------------------------------------------------------------
+
+# Rotary position embeddings (RoPE, Su et al. 2021), `pos_embedding: rope`.
+#
+# Instead of adding a learned vector to the token embedding, every query and key of a head is
+# rotated by an angle proportional to its position. Split a head's hs dimensions into pairs
+# (x_i, x_{i + hs/2}) for i < hs/2 and rotate pair i by the angle p * theta_i at position p:
+#
+#     theta_i = base^(-2i / hs)                              (base = rope_base, 10000)
+#     x_i'        = x_i cos(p theta_i) - x_{i + hs/2} sin(p theta_i)
+#     x_{i+hs/2}' = x_i sin(p theta_i) + x_{i + hs/2} cos(p theta_i)
+#
+# Rotations compose, (R_a q) . (R_b k) = q . (R_{b-a} k), so the score of query m and key n
+# depends on their vectors and on n - m only: attention sees relative positions, and nothing is
+# learned per absolute position.
+
+
+class RotaryTables(nn.Module):
+    """cos and sin of p * theta_i for every position p < block_size, computed once."""
+
+    def __init__(self, head_size: int, block_size: int, base: float):
+        super().__init__()
+        self.head_size, self.block_size, self.base = head_size, block_size, base
+        cos, sin = self._tables(None)  # None: torch's default device (meta under `with meta`)
+        # Not persistent: derived from the config, so checkpoints do not store them.
+        self.register_buffer("cos", cos, persistent=False)  # (block_size, hs/2)
+        self.register_buffer("sin", sin, persistent=False)  # (block_size, hs/2)
+
+    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        hs = self.head_size
+        theta = self.base ** (-torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)
+        positions = torch.arange(self.block_size, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, theta)  # (block_size, hs/2)
+        return angles.cos(), angles.sin()
+
+    def _apply(self, fn, recurse: bool = True):
+        """`model.to(torch.bfloat16)` (sample.py's dtype) casts every floating buffer: these
+        tables are then recomputed in float32 on the new device, so that a bfloat16 model
+        rotates by the same angles as the float32 one it was trained as, and apply_rope
+        rounds only its result."""
+        super()._apply(fn, recurse)
+        self.cos, self.sin = self._tables(self.cos.device)
+        return self
+
+    def forward(self, start: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions start .. start + T - 1, each (T, hs/2); for a start per
+        row (B, 1), each row's own, (B, 1, T, hs/2) (broadcast over the heads)."""
+        if isinstance(start, int):
+            return self.cos[start : start + T], self.sin[start : start + T]
+        positions = start + torch.arange(T, device=start.device)  # (B, T)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, nh, T, hs) by the angles whose cos and sin are (T, hs/2); same shape and
+    dtype as x."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each: the pairs (x_i, x_{i + hs/2})
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, nh, T, hs)
+    return rotated.type_as(x)  # float32 tables and bfloat16 x compute in float32
+
+
+# ----- the KV cache ------------------------------------------------------------------------------
+
+# A key/value cache for generation: each position's keys and values are computed once.
+#
+# Causal attention makes this exact: position t's keys and values depend only on tokens <= t, so
+# appending a token never changes what was cached before it. `KVCache` holds rows that all end at
+# one length (a batch of samples of one prompt); `RaggedKVCache` rows of their own lengths (a
+# server's requests decoding together).
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, shape (n_layer, B, nh, max_len, hs).
+
+    During one forward pass every layer appends its new keys/values at [length, length + T);
+    the model then calls `advance(T)` once, so all layers agree on where the sequence ends.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        max_len: int,
+        head_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        shape = (n_layer, batch_size, n_head, max_len, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) for `layer`; return all keys/values so far (B, nh, L, hs).
+        Past max_len the copy fails on its shapes (the model refuses that input first)."""
+        end = self.length + k.size(2)
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
+        """Which keys (cached, then new) each of T new queries may see: the causal mask's rows
+        at their positions, (T, length + T)."""
+        return causal_mask[self.length : self.length + T, : self.length + T]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class RaggedKVCache(KVCache):
+    """A KVCache whose rows end at lengths of their own: one request per row, each at its own
+    position, decoded together in one forward (inference/batching.py). A forward runs on the
+    rows `rows` selects (a slice, so the keys are a view, never a copy); `length` is each
+    selected row's (rows, 1), so every row's tokens get their own positions, and `allowed` is
+    the causal mask's rows at those positions: keys past a row's end (another request's longer
+    history, or stale values) are masked as the future is. For manual and sdpa attention (flash
+    takes the queries to be the last keys of every row: GPT.new_kv_cache refuses it)."""
+
+    def __init__(self, n_layer: int, batch_size: int, *shape: int, **place: Any):
+        """KVCache's arguments; every row starts empty."""
+        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long)
+        self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
+        super().__init__(n_layer, batch_size, *shape, **place)
+        self.lengths = self.lengths.to(self.k.device)
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.lengths[self.rows]  # (rows, 1)
+
+    @length.setter
+    def length(self, value: int | torch.Tensor) -> None:
+        self.lengths[self.rows] = value
+
+    def _positions(self, T: int) -> torch.Tensor:
+        return self.length + torch.arange(T, device=self.lengths.device)  # (rows, T)
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (rows, nh, T, hs) at each row's own end; return the selected rows' keys and
+        values up to the longest row's new end (rows, nh, L, hs)."""
+        positions = self._positions(k.size(2))
+        index = torch.arange(self.k.size(1), device=k.device)[self.rows, None]  # (rows, 1)
+        self.k[layer, index, :, positions] = k.transpose(1, 2)  # (rows, T, nh, hs)
+        self.v[layer, index, :, positions] = v.transpose(1, 2)
+        end = int(positions.max()) + 1
+        return self.k[layer, self.rows, :, :end], self.v[layer, self.rows, :, :end]
+
+    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
+        """(rows, 1, T, L): row r's queries see its keys up to their own positions, no further."""
+        positions = self._positions(T)
+        return causal_mask[positions, : int(positions.max()) + 1][:, None]
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's keys, values and length into row dst (a finished request's row reused)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+
+# ----- multi-head causal self-attention ----------------------------------------------------------
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, dropout_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention under a mask; returns (output, probabilities S).
+
+    q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
+    attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
+    lengths (model/gpt.py's RaggedKVCache). Dropout applies to S before it weighs V.
+    """
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, Tq, Tk)
+    scores = scores.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
+    probs = F.softmax(scores, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
+    y = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, Tq, hs)
+    return y, probs
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.impl = config.attention
+        self.flash_blocks = (config.flash_block_q, config.flash_block_k)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size)
+            self.k_norm = RMSNorm(config.head_size)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # allowed[i, j] is True when position i may look at position j, i.e. j <= i.
+        # A buffer (not recomputed per call) so that tests can swap in a leaky mask as a
+        # negative control for the causality checks.
+        allowed = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", allowed, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
+        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions, each
+        (T, hs/2), when pos_embedding is rope. Returns Y (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.heads(x, rope)  # each (B, nh, T, hs)
+        allowed = self.causal_mask[:T, :T]  # (T, T)
+        fresh = cache is None or (isinstance(cache.length, int) and cache.length == 0)
+        if cache is not None:
+            allowed = cache.allowed(self.causal_mask, T)  # (T, past + T); ragged: (B, 1, T, L)
+            k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+
+        if self.impl == "manual":
+            y, _ = causal_attention(q, k, v, allowed, dropout_p)
+        elif self.impl == "flash":  # the queries are the last T of the past + T keys
+            y = flash_causal_attention(q, k, v, *self.flash_blocks, dropout_p)  # (B, nh, T, hs)
+        else:  # sdpa
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if fresh else allowed,
+                dropout_p=dropout_p,
+                is_causal=fresh,
+            )  # (B, nh, T, hs)
+
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
+        return self.resid_dropout(self.c_proj(y))  # W_O
+
+    def heads(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
+        return q, k, v
+
+    def probs(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The attention probabilities S of x (B, T, C) from the formula, whatever `impl` is
+        (flash never forms S): (B, nh, T, T)."""
+        T = x.size(1)
+        q, k, v = self.heads(x, rope)
+        _, probs = causal_attention(q, k, v, self.causal_mask[:T, :T])
+        return probs
+
+
+# ----- the GPT -----------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager

@@ -11,8 +11,7 @@ import torch
 
 from data.tokenizer import get_tokenizer
 from inference.batching import Batcher, Job
-from inference.generate import SamplingParams, TokenContext, stream_tokens
-from inference.text import TextStream
+from inference.generate import SamplingParams, TextStream, TokenContext, stream_tokens
 from model import GPT, GPTConfig
 
 SETTINGS = [  # (prompt length, max_tokens, params, seed): windows restart past 16 tokens

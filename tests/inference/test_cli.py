@@ -19,7 +19,7 @@ from checkpoints.store import (
     save_checkpoint,
 )
 from inference.cli import SEPARATOR, main, run
-from inference.text import decode_escapes
+from inference.generate import decode_escapes
 from model import GPT, GPTConfig
 from tests.trainer.helpers import HANG_SECONDS
 

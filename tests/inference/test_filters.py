@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from inference.filters import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
+from inference.generate import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 
 
 def log_probs(*probs: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT
-from model.attention import causal_attention
+from model.gpt import causal_attention
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 

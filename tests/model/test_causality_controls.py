@@ -17,11 +17,9 @@ from torch import nn
 import check_causality
 from base.errors import ConfigError
 from model import GPT, load_preset
-from model.attention import CausalSelfAttention
 from model.causality import check_causality as causality_report
 from model.causality import shrunk_config
-from model.gpt import Block
-from model.rope import RotaryTables
+from model.gpt import Block, CausalSelfAttention, RotaryTables
 from trainer.config import RunConfig
 from trainer.preflight import causality_guard
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from model import GPT, flash_attention
-from model.attention import causal_attention
 from model.causality import find_leaks
 from model.flash_attention import flash_causal_attention, key_tiles, query_tiles, tile_keep_mask
+from model.gpt import causal_attention
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 

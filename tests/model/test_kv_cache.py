@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model import ATTENTION_IMPLS, GPT
-from model.rope import RotaryTables
+from model.gpt import RotaryTables
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES, random_projections
 

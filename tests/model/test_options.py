@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT
-from model.gpt import MLP
-from model.norm import RMSNorm
+from model.gpt import MLP, RMSNorm
 from tests.conftest import tiny_config
 
 

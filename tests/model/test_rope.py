@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import GPT
-from model.rope import RotaryTables, apply_rope
+from model.gpt import RotaryTables, apply_rope
 from tests.conftest import tiny_config
 
 

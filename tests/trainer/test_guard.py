@@ -9,7 +9,7 @@ import torch
 
 import trainer.loop
 from checkpoints.store import load_checkpoint
-from model.attention import CausalSelfAttention
+from model.gpt import CausalSelfAttention
 from tests.trainer.helpers import ROOT, TINY, compose_run, make_trainer, run_script
 from trainer.preflight import causality_guard
 
@@ -57,7 +57,7 @@ def test_a_leak_stops_train_py_with_one_error_line(tmp_path, corpus, monkeypatch
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(
         "import torch\n"
-        "from model.attention import CausalSelfAttention\n"
+        "from model.gpt import CausalSelfAttention\n"
         "init = CausalSelfAttention.__init__\n"
         "def leaky(self, *a, **k):\n"
         "    init(self, *a, **k)\n"

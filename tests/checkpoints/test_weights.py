@@ -10,13 +10,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import GPT
-from model.weights import (
+from checkpoints.store import (
     check_config_against_weights,
     read_safetensors_header,
     stored_shapes,
     stored_state,
 )
+from model import GPT
 from tests.conftest import tiny_config
 
 
