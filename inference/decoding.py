@@ -15,6 +15,8 @@ layout, the model's code unchanged.
 from __future__ import annotations
 
 import copy
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -22,7 +24,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hardware.device import fastest, probed_dtype, resolve_precision
 
@@ -56,8 +57,10 @@ class SplitLinear(nn.Module):
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP shards the model's weights (DTensors, gathered by its forward's hooks)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    """Whether FSDP shards the model's weights (DTensors, gathered by its forward's hooks). No
+    weight is a DTensor before torch.distributed.tensor is imported: sampling never imports it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in model.parameters())
 
 
 def decodes_from_a_copy(model: nn.Module) -> bool:
@@ -92,6 +95,40 @@ def cpu_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# From a decoding copy, generation times its first decoding steps on torch's threads and on one,
+# alternately, THREAD_TRIALS steps each (it stops early once torch's threads have taken twice one
+# thread's time), then decodes on the faster count. torch splits each product's blocks
+# statically over the threads, so a core busy with other work holds every token (figures:
+# docs/performance.md, Sampling). Real steps, not a probe of its own: a short probe on a machine
+# whose cores are both busy often meets a moment when they are free. The blocks fix the order of
+# the sums, so the tokens are the same on either count.
+THREAD_TRIALS = 16
+
+
+class ThreadChoice:
+    """The CPU thread count each decoding step runs on: alternately torch's and one for the trial
+    steps (none when `trials` is false), then the one whose trial steps were faster."""
+
+    def __init__(self, trials: bool):
+        self.many = torch.get_num_threads()
+        self.seconds = {self.many: 0.0, 1: 0.0}  # the trial steps' time on each thread count
+        self.trials = 2 * THREAD_TRIALS if trials else 0
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run decoding step `step` (0: the prompt's) inside the block on its thread count, and
+        give torch its count back after."""
+        if step % 8 == 1 and self.seconds[self.many] > 2 * self.seconds[1]:  # every 4 trials each
+            self.trials = 0  # a busy core: torch's threads already take twice one thread's time
+        trial = 0 < step <= self.trials
+        threads = (self.many, 1)[step % 2] if trial else min(self.seconds, key=self.seconds.get)
+        start = time.perf_counter()
+        with cpu_threads(threads):
+            yield
+        if trial:
+            self.seconds[threads] += time.perf_counter() - start
 
 
 def bf16_decoding_speedup(shape: tuple[int, int] = (768, 32768), repeats: int = 3) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import codecs
 import re
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from base.checks import check, is_int, is_number
-from inference.decoding import cpu_threads, decodes_from_a_copy, decoding_copy, is_sharded
+from inference.decoding import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
 
 # ----- logit filters -----------------------------------------------------------------------------
@@ -191,16 +190,6 @@ class TokenContext:
         self.seq = torch.cat([self.seq, token[:, None]], dim=1)
 
 
-# From a decoding copy, generation times its first decoding steps on torch's threads and on one,
-# alternately, THREAD_TRIALS steps each (it stops early once torch's threads have taken twice one
-# thread's time), then decodes on the faster count. torch splits each product's blocks
-# statically over the threads, so a core busy with other work holds every token (figures:
-# docs/performance.md, Sampling). Real steps, not a probe of its own: a
-# short probe on a machine whose cores are both busy often meets a moment when they are free.
-# The blocks fix the order of the sums, so the tokens are the same on either count.
-THREAD_TRIALS = 16
-
-
 def stream_tokens(
     model: GPT,
     idx: torch.Tensor,
@@ -218,29 +207,20 @@ def stream_tokens(
     produced `eot_token` keeps producing it, and the stream ends once every row has. The model
     should be in eval mode (dropout would make the samples noisier, not wrong). `vocab_size`:
     the tokenizer's, when the model's vocabulary is padded past it (never drawn). The tokens are
-    inference tensors: clone one to change it in place. Each step runs on torch's CPU threads or
-    on one (THREAD_TRIALS), and gives torch its count back before yielding.
+    inference tensors: clone one to change it in place. Each step runs on the CPU thread count
+    `ThreadChoice` picks (inference/decoding.py), and gives torch its count back before yielding.
     """
     params = params or SamplingParams()
     context = TokenContext(model, idx, use_cache, vocab_size)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-    many = torch.get_num_threads()
-    seconds = {many: 0.0, 1: 0.0}  # the trial steps' time on each thread count
-    trials = 2 * THREAD_TRIALS if context.decoder is not model else 0  # step 0: the prompt
+    threads = ThreadChoice(trials=context.decoder is not model)
     for step in range(max_new_tokens):
-        if step % 8 == 1 and seconds[many] > 2 * seconds[1]:  # checked every 4 trials each
-            trials = 0  # a busy core: torch's threads already take twice one thread's time
-        trial = 0 < step <= trials
-        threads = (many, 1)[step % 2] if trial else min(seconds, key=seconds.get)
-        start = time.perf_counter()
-        with context.grad_free(), cpu_threads(threads):
+        with context.grad_free(), threads.step(step):
             token = next_token(context.logits(), context.seq, params, generator)
             if eot_token is not None:
                 token = token.masked_fill(finished, eot_token)
                 finished |= token == eot_token
             context.append(token)
-        if trial:
-            seconds[threads] += time.perf_counter() - start
         yield token
         if finished.all():
             return

@@ -4,16 +4,15 @@ CPU, decoding runs on the thread count measured faster, with the same logits at 
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.decoding import cpu_threads
+from inference import decoding
+from inference.decoding import THREAD_TRIALS, cpu_threads
 from inference.generate import (
-    THREAD_TRIALS,
     SamplingParams,
     TokenContext,
     generate,
@@ -25,7 +24,6 @@ from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 
 BLOCK = 16  # tiny_config's block_size
-generation = importlib.import_module("inference.generate")  # the module, not the function
 
 
 @pytest.fixture
@@ -180,7 +178,7 @@ def test_generation_decodes_on_the_thread_count_measured_faster_with_the_same_lo
         return steps[-1][1]
 
     monkeypatch.setattr(TokenContext, "logits", spy)
-    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     trials, runs = 1 + 2 * THREAD_TRIALS, {}  # the prompt's step, then the trial steps
     with cpu_threads(2):  # a decoding copy in 2 blocks
         for slow in (2, 1):
