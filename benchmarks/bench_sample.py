@@ -36,7 +36,6 @@ faster), --rounds times interleaved, medians. Run from anywhere:
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from harness import head, row
 from torch import nn
 
 from hardware.device import cpu_auto_dtype
-from inference import SamplingParams, generate
+from inference import SamplingParams, decoding, generate
 from inference.decoding import SplitLinear, cpu_decoding_dtype, cpu_threads
 from model import GPT, GPTConfig
 
@@ -111,11 +110,10 @@ def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
 def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
     """Print cached float32 generation's tok/s on a quiet machine and with one core kept busy by
     another process (`while True: pass`): on torch's threads throughout (as before generation's
-    trial steps, inference/generate.py), on one thread (a decoding copy in one block, as with
+    trial steps, inference/decoding.py), on one thread (a decoding copy in one block, as with
     OMP_NUM_THREADS=1), and as generation runs now (its trial steps included, its pick shown)."""
-    generation = importlib.import_module("inference.generate")  # the module, not the function
-    trials, threads, used = generation.THREAD_TRIALS, torch.get_num_threads(), []
-    generation.cpu_threads = lambda count: used.append(count) or cpu_threads(count)  # the picks
+    trials, threads, used = decoding.THREAD_TRIALS, torch.get_num_threads(), []
+    decoding.cpu_threads = lambda count: used.append(count) or cpu_threads(count)  # the picks
     columns = {
         f"{threads} threads (before)": (threads, 0),
         "1 thread": (1, 0),
@@ -129,7 +127,7 @@ def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
         for machine, picked in picks.items():
             spinner = subprocess.Popen(spin) if machine != "quiet" else None
             for column, (count, steps) in columns.items():
-                generation.THREAD_TRIALS = steps
+                decoding.THREAD_TRIALS = steps
                 with cpu_threads(count):
                     run = timed(lambda: generate(model, prompt, n, sample, gen))
                 seconds[machine, column].append(run)
@@ -137,7 +135,7 @@ def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
             if spinner:
                 spinner.kill()
                 spinner.wait()
-    generation.THREAD_TRIALS, generation.cpu_threads = trials, cpu_threads
+    decoding.THREAD_TRIALS, decoding.cpu_threads = trials, cpu_threads
     head(f"KV cache (float32) tok/s | {' | '.join(columns)} | picked", "lrrrl")
     for machine, picked in picks.items():
         tok_s = [f"{statistics.median(n / t for t in seconds[machine, c]):,.1f}" for c in columns]
