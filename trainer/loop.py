@@ -120,9 +120,38 @@ def stop_signals() -> Iterator[list[int]]:
             signal.signal(s, handler)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How long a run trains: train.max_steps, train.max_seconds (of training-loop time, summed
+    over resumes) or both, whichever comes first. The one place that knows it: the schedule's
+    progress by time, the time left, and whether the time is spent."""
+
+    max_steps: int | None
+    max_seconds: float | None
+
+    def __str__(self) -> str:
+        steps = f"{self.max_steps:,} steps" if self.max_steps else ""
+        if not self.max_seconds:
+            return steps
+        clock = f"{self.max_seconds:g} s of training (train.max_seconds)"
+        return f"{steps} or {clock}, whichever comes first" if steps else clock
+
+    def time_fraction(self, elapsed: float) -> float:
+        """How far the clock is through the budget (0 without one): the schedule decays by it."""
+        return elapsed / self.max_seconds if self.max_seconds else 0.0
+
+    def spent(self, elapsed: float) -> bool:
+        return self.max_seconds is not None and elapsed >= self.max_seconds
+
+    def eta(self, step: int, elapsed: float, seconds_per_step: float) -> float:
+        left = ((self.max_steps or math.inf) - step) * seconds_per_step
+        return left if self.max_seconds is None else min(left, self.max_seconds - elapsed)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
         self.cfg = cfg
+        self.budget = Budget(cfg.train.max_steps, cfg.train.max_seconds)
         # The same seed on every rank: identical initial weights (FSDP shards each rank's copy)
         # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
         # rank 0's RNG state, saved in checkpoints, is every rank's.
@@ -304,11 +333,9 @@ class Trainer:
         same on every rank). No collective and no host read but the step's health (one small
         tensor): the loss is averaged over ranks only where it is logged."""
         cfg = self.cfg
-        budget = cfg.train.max_seconds  # the schedule ends by the deadline too: see lr_scale
-        time_fraction = self.state.elapsed / budget if budget else 0.0
+        time_fraction = self.budget.time_fraction(self.state.elapsed)  # see lr_scale
         set_lr(
-            self.optimizer,
-            lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction),
+            self.optimizer, lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction)
         )
         accum = cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
@@ -423,11 +450,6 @@ class Trainer:
         """What is about to be trained, on what, for how long, and where it goes."""
         world = self.dist.world_size
         ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
-        steps, seconds = self.cfg.train.max_steps, self.cfg.train.max_seconds
-        budget = f"{steps:,} steps" if steps else ""
-        if seconds:
-            clock = f"{seconds:g} s of training (train.max_seconds)"
-            budget = f"{budget} or {clock}, whichever comes first" if steps else clock
         self.progress.message(
             f"run dir: {self.run_dir}\n"
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
@@ -435,7 +457,7 @@ class Trainer:
             f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
             f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}"
             f"{f' ({self.precision.why})' if self.precision.why else ''}, "
-            f"MFU vs {self.peak_source}\nbudget: {budget}\n{self.tracker.location}"
+            f"MFU vs {self.peak_source}\nbudget: {self.budget}\n{self.tracker.location}"
         )
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
@@ -447,8 +469,7 @@ class Trainer:
         waits on a collective; a single process decides at every step."""
         if self.dist.enabled and not agree:
             return 0, False
-        budget = self.cfg.train.max_seconds
-        late = budget is not None and self.state.elapsed >= budget
+        late = self.budget.spent(self.state.elapsed)
         signum, late = all_reduce_max([received[-1] if received else 0, late], self.device)
         return int(signum), bool(late)
 
@@ -461,10 +482,8 @@ class Trainer:
         }
         if self.peak_tokens_per_s:
             values["mfu"] = tok_s / self.peak_tokens_per_s
-        step, budget = self.state.step, self.cfg.train.max_seconds
-        eta = ((self.cfg.train.max_steps or math.inf) - step) * self.tokens_per_step / tok_s
-        if budget is not None:
-            eta = min(eta, budget - self.state.elapsed)
+        step = self.state.step
+        eta = self.budget.eta(step, self.state.elapsed, self.tokens_per_step / tok_s)
         self.progress.update(step, values, eta)
         self._record(
             {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
