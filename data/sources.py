@@ -229,7 +229,7 @@ def load_dataset(
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise DataError(
-            f"could not load_hub {path!r} (subset={subset}, split={split}): "
+            f"could not load {path!r} (subset={subset}, split={split}): "
             f"{type(e).__name__}: {first_line}; check the name and network access"
         ) from e
 
