@@ -15,7 +15,7 @@ import check_causality
 from checkpoints.store import save_checkpoint
 from model import GPT, preset_names
 from tests.conftest import tiny_config
-from tests.trainer.helpers import ROOT, run_script
+from tests.trainer.conftest import ROOT, run_script
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 

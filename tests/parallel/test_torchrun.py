@@ -18,8 +18,17 @@ import torch
 
 from checkpoints.store import load_checkpoint
 from tests.parallel.worker import PROBE
-from tests.trainer.conftest import CPU, GPT2, HELLASWAG, model_for, write_jsonl
-from tests.trainer.helpers import HANG_SECONDS, ROOT, TINY, make_trainer
+from tests.trainer.conftest import (
+    CPU,
+    GPT2,
+    HANG_SECONDS,
+    HELLASWAG,
+    ROOT,
+    TINY,
+    make_trainer,
+    model_for,
+    write_jsonl,
+)
 from trainer.tasks import load_task, score_task, task_config
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import checkpoints.store
 from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
 from model import load_preset
-from tests.trainer.helpers import CONFIGS, TINY, compose_run, make_trainer
+from tests.trainer.conftest import CONFIGS, TINY, compose_run, make_trainer
 from trainer.cli import resumed_config, run_config, saved_config
 from trainer.loop import Trainer
 
@@ -24,7 +24,7 @@ DEFAULTS = config()
 
 
 def resume_with(*overrides: str) -> dict:
-    """What `python train.py train.resume=auto <overrides>` (after helpers.TINY) continues."""
+    """What `python train.py train.resume=auto <overrides>` (after TINY) continues."""
     composed = config("train.resume=auto", *overrides)
     keys = ["train.resume", *(o.split("=")[0] for o in overrides)]
     return resumed_config(SAVED, composed, DEFAULTS, keys, "auto")

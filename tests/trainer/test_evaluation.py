@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hardware.device import Precision
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import run_script
+from tests.trainer.conftest import run_script
 from trainer import evaluation
 from trainer.evaluation import evaluate, sliding_windows
 

@@ -18,7 +18,7 @@ from checkpoints.sources import load_source
 from checkpoints.store import load_checkpoint
 from data.tokenizer import get_tokenizer
 from inference.cli import run as sample
-from tests.trainer.helpers import CONFIGS, TINY, compose_run, run_script
+from tests.trainer.conftest import CONFIGS, TINY, compose_run, run_script
 from trainer.cli import requested_model
 from trainer.config import RunConfig
 from trainer.evaluation import evaluate_checkpoint

@@ -10,7 +10,7 @@ import torch
 
 from model import GPT
 from tests.conftest import tiny_config
-from tests.trainer.helpers import compose_run
+from tests.trainer.conftest import compose_run
 from trainer.config import ConfigError, OptimSettings
 from trainer.distributed import load_optimizer_state
 from trainer.loop import Trainer

@@ -22,11 +22,13 @@ from tests.trainer.conftest import (
     HELLASWAG,
     LAMBADA,
     TASKS,
+    TINY,
     local_task,
+    make_trainer,
     model_for,
+    run_script,
     write_jsonl,
 )
-from tests.trainer.helpers import TINY, make_trainer, run_script
 from trainer.reporting import METRICS_FILE, read_metrics
 from trainer.tasks import (
     encode_pair,

@@ -17,8 +17,7 @@ from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, r
 from data import DataError
 from data.tokenizer import BPE, TOKENIZER_FILE
 from inference.cli import run as sample
-from tests.trainer.conftest import PLAYS
-from tests.trainer.helpers import CONFIGS, make_trainer
+from tests.trainer.conftest import CONFIGS, PLAYS, make_trainer
 from trainer.evaluation import evaluate_checkpoint
 
 
