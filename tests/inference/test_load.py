@@ -1,6 +1,7 @@
 """A bounded load test on localhost: 200 requests from 16 concurrent clients, a quarter of them
 streaming and a tenth hanging up early. No 5xx, no completion lost or given to another request,
-and the server's memory back to its level before the load (within 10%) once it is idle."""
+and the server's memory back to its level before the load (within 25%: see the bound) once it
+is idle."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def send(url: str, i: int) -> tuple[int, str | None]:
 @pytest.mark.slow
 def test_200_requests_from_16_clients(start_server, capsys):
     url, pid = start_server()
-    with ThreadPoolExecutor(CLIENTS) as pool:  # warm up: the allocator's and torch's caches
-        list(pool.map(lambda i: send(url, i), range(1, 33)))
+    with ThreadPoolExecutor(CLIENTS) as pool:  # warm up: the allocator's and torch's caches,
+        list(pool.map(lambda i: send(url, i), range(REQUESTS)))  # the threads the load starts
     wait_until_idle(url)
     before = resident_mib(pid)
     with ThreadPoolExecutor(CLIENTS) as pool:
@@ -73,6 +74,8 @@ def test_200_requests_from_16_clients(start_server, capsys):
             assert text == results[(i + 100) % REQUESTS][1]  # its twin: the same completion
     with capsys.disabled():
         print(f"\nload test: server resident memory {before:.1f} MiB before, {after:.1f} after")
-    # glibc keeps some freed heap: on a 2-core AMD EPYC ~500 MiB before, +5 after, and further
-    # rounds of 200 move it between +5 and +35 MiB with no trend (measured over 4 rounds)
-    assert after - before < 0.1 * before
+    # Resident memory is a noisy witness: after a full warm-up round, rounds of 200 moved it
+    # from -25 to +40 MiB around ~410 MiB with no trend (12 rounds, 2-core AMD EPYC; with a
+    # 32-request warm-up one round reached +55). The bound catches a leak of that order per
+    # round or worse (e.g. 0.5 MiB kept per request) and never the allocator's noise.
+    assert after - before < 0.25 * before
