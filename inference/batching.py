@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.decoding import decodes_from_a_copy, decoding_copy
-from inference.generate import SamplingParams, TextStream, next_token
+from inference.generate import SamplingParams, TextStream, next_token, window_start
 from model import GPT
 
 
@@ -45,7 +45,7 @@ class Job:
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
-    start: int = -1  # where its window starts; -1: not filled yet
+    start: int = -1  # where its window starts (generate.window_start); -1: not filled yet
 
 
 class Batcher:
@@ -128,11 +128,12 @@ class Batcher:
         prompt's last block_size tokens) or full (its last block_size // 2): generate.py's."""
         if job.seq is None:
             job.seq = torch.tensor([job.ids], device=self.padding.device)
-            job.start = max(0, len(job.ids) - self.block_size)
-        elif job.seq.size(1) - job.start > self.block_size:
-            job.start = job.seq.size(1) - max(1, self.block_size // 2)
+            job.start = window_start(len(job.ids), None, self.block_size)
         else:
-            return
+            start = window_start(job.seq.size(1), job.start, self.block_size)
+            if start == job.start:
+                return
+            job.start = start
         self.cache.rows = slice(row, row + 1)
         self.cache.length = 0
         if job.seq.size(1) - 1 > job.start:

@@ -130,6 +130,17 @@ def next_token(
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # c[i-1] <= u < c[i]: p_i > 0
 
 
+def window_start(length: int, start: int | None, block_size: int) -> int:
+    """Where the window over a sequence of `length` tokens starts (see the top of this module): a
+    new window (start None) at the last block_size tokens; one that would outgrow block_size
+    restarts at the last block_size // 2 (at least one); else it stays at `start`."""
+    if start is None:
+        return max(0, length - block_size)
+    if length - start > block_size:
+        return length - max(1, block_size // 2)
+    return start
+
+
 class TokenContext:
     """The sequence so far and the logits of its next token, from the window defined at the top
     of this module: `model(seq[:, start:])[0][:, -1]`, with `start` moved to the last
@@ -151,9 +162,8 @@ class TokenContext:
                 "start an empty prompt from the end-of-text token"
             )
         self.block_size = model.config.block_size
-        self.keep = max(1, self.block_size // 2)  # tokens a full window restarts from
         self.seq = idx
-        self.start = max(0, idx.size(1) - self.block_size)  # a long prompt: its last block_size
+        self.start = window_start(idx.size(1), None, self.block_size)
         self.cache = model.new_kv_cache(idx.size(0)) if use_cache else None
         # Rows of the logits past the tokenizer's vocabulary are padding (see `logits`)
         self.padding = None
@@ -168,8 +178,9 @@ class TokenContext:
 
     def logits(self) -> torch.Tensor:
         """Logits (B, V) for the token after `seq`; call once per `append`."""
-        if self.seq.size(1) - self.start > self.block_size:  # the window is full: restart it
-            self.start = self.seq.size(1) - self.keep
+        start = window_start(self.seq.size(1), self.start, self.block_size)
+        if start != self.start:  # the window was full: it restarts
+            self.start = start
             if self.cache is not None:
                 self.cache.reset()
         with self.grad_free():
