@@ -15,9 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from base.checks import boolean, check, is_int
-from base.entry import hydra_main
-from base.errors import user_errors
+from base.errors import boolean, check, hydra_main, is_int, user_errors
 from checkpoints.sources import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig

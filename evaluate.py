@@ -5,8 +5,7 @@ import json
 
 from omegaconf import DictConfig, OmegaConf
 
-from base.entry import hydra_main
-from base.errors import user_errors
+from base.errors import hydra_main, user_errors
 
 
 @hydra_main("evaluate")

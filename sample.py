@@ -4,7 +4,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from base.entry import hydra_main
+from base.errors import hydra_main
 
 
 @hydra_main("sample")

@@ -5,7 +5,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from base.entry import hydra_main
+from base.errors import hydra_main
 from inference.server import main
 
 

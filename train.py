@@ -5,8 +5,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from base.entry import hydra_main
-from base.errors import user_errors
+from base.errors import hydra_main, user_errors
 
 
 @hydra_main("train")

@@ -1,15 +1,35 @@
-"""The user-error boundary: a mistake the user can fix is one `error:` line and exit code 2.
+"""User mistakes, one line each: the error types, the checks every config value goes through,
+the boundary that prints a mistake as one `error:` line with exit code 2 (`user_errors`), and the
+entry scripts' `hydra_main`, which brings Hydra's own errors to that boundary.
 
 Every error the project raises for bad input derives from ValueError (ConfigError and
 DataError here, CheckpointError in checkpoints/store.py), so one handler covers them all.
+
+`check(key, value, ok, rule)` names the key the user typed and what it accepts, `error: <key>
+must be <rule>, got <value>`. Every config object uses it (GPTConfig, the run config, sampling
+parameters, the sample and evaluate keys), so a bad value reads the same wherever it was typed.
+
+Hydra reports a typo'd key, a malformed override or an unknown config group option in several
+lines and exits 1. `hydra_main` lets Hydra raise instead (HYDRA_FULL_ERROR) and prints each as
+one `error:` line, exit code 2. Errors raised by the task itself pass through untouched: the task
+handles its users' mistakes with `user_errors()`, and anything else is a bug whose traceback must
+show. Hydra is imported inside: model/ and data/ use the checks without loading it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import os
 import sys
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, NoReturn, TypeVar
+from unittest import mock
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # what every entry point composes
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -36,3 +56,120 @@ def user_errors() -> Iterator[None]:
         yield
     except (ValueError, OSError) as e:
         exit_user_error(str(e) or type(e).__name__)
+
+
+# ----- checks: one message shape for every config value -------------------------------------------
+
+
+def check(key: str, value: T, ok: bool, rule: str) -> T:
+    """`value` if ok, else ConfigError("<key> must be <rule>, got <value>")."""
+    if not ok:
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+    return value
+
+
+def is_int(value: Any, minimum: int) -> bool:
+    """An int (YAML's true and false are not) of at least `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_number(value: Any, low: float = -math.inf, high: float = math.inf) -> bool:
+    """A finite int or float in [low, high] (YAML's true and false are not numbers)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and low <= value <= high
+
+
+def positive_int(key: str, value: Any) -> int:
+    return check(key, value, is_int(value, 1), "a positive integer")
+
+
+def non_negative_int(key: str, value: Any) -> int:
+    return check(key, value, is_int(value, 0), "a non-negative integer")
+
+
+def number(key: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
+    """A finite number, within [low, high]."""
+    check(key, value, is_number(value), "a finite number")
+    return float(check(key, value, low <= value <= high, f"in [{low}, {high}]"))
+
+
+def positive(key: str, value: Any, rule: str = "positive") -> float:
+    """A finite number above 0."""
+    return check(key, value, number(key, value) > 0, rule)
+
+
+def boolean(key: str, value: Any) -> bool:
+    return check(key, value, isinstance(value, bool), "true or false")
+
+
+def choice(key: str, value: Any, choices: Sequence[str]) -> str:
+    """One of `choices`; the error lists them all."""
+    return check(key, value, value in choices, f"one of {list(choices)}")
+
+
+# ----- hydra_main: Hydra's errors at the same boundary --------------------------------------------
+
+
+def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], None]]:
+    """`@hydra.main(config_path="configs", config_name=...)` for the scripts in the repository
+    root; `-m`, `--cfg`, `--help` and every other Hydra flag work as with hydra.main."""
+
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    def decorate(task: Callable[[Any], Any]) -> Callable[[], None]:
+        raised_by_task: list[BaseException] = []
+
+        @hydra.main(config_path="configs", config_name=config_name, version_base=None)
+        @functools.wraps(task)  # Hydra unwraps to `task`: configs/ next to its script
+        def run(cfg: Any) -> Any:
+            try:
+                return task(cfg)
+            except Exception as e:
+                raised_by_task.append(e)
+                raise
+
+        @functools.wraps(task)
+        def main() -> None:
+            # Hydra re-raises its errors instead of printing them (its documented
+            # HYDRA_FULL_ERROR); patch.dict puts the environment back afterwards.
+            with mock.patch.dict(os.environ, HYDRA_FULL_ERROR="1"):
+                try:
+                    run()
+                except (HydraException, OmegaConfBaseException, ValueError) as e:
+                    if e in raised_by_task:  # the task's own: a bug, its traceback shows
+                        raise
+                    exit_user_error(describe(e))
+
+        return main
+
+    return decorate
+
+
+def describe(e: Exception) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing the config."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(e, MissingConfigException) and e.options is not None and e.missing_cfg_file:
+        missing = PurePosixPath(e.missing_cfg_file)
+        group, choices = missing.parent, ", ".join(sorted(e.options))
+        return f"{group}={missing.name} is not in configs/{group}/; choose one of: {choices}"
+    if isinstance(e, OverrideParseException):
+        reason = e.message.splitlines()[0]
+        return (
+            f"cannot parse the override {e.override!r} ({reason}); write key=value, quoting "
+            "lists and strings for the shell: 'data.train_files=[a.txt,b.txt]'"
+        )
+    cause = e.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:  # unknown key
+        key = cause.full_key
+        known = getattr(cause.parent_node, "keys", lambda: [])()
+        prefix = key.rpartition(".")[0]
+        names = [f"{prefix}.{k}" if prefix else str(k) for k in sorted(known) if k != "hydra"]
+        return f"unknown config key {key}; known keys: {', '.join(names)}"
+    if str(e).startswith("Could not override '"):  # a key or group this script does not have
+        key, script = str(e).split("'")[1], PurePosixPath(sys.argv[0]).name
+        return f"unknown config key {key}; `python {script} --help` lists the keys"
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())

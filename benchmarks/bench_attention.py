@@ -24,7 +24,7 @@ import time
 import harness
 from harness import head, row
 
-from model.config import GPTConfig
+from model.gpt import GPTConfig
 
 IMPLS = ("manual", "flash", "sdpa")
 

@@ -35,7 +35,7 @@ from data.tokenizer import get_tokenizer
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
 from model import GPT, GPTConfig
-from model.config import load_preset
+from model.gpt import load_preset
 
 CLIENTS = (1, 4, 8, 16)
 SERVE_PY = Path(__file__).resolve().parents[1] / "serve.py"

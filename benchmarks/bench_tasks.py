@@ -90,7 +90,7 @@ def make_model(preset: str, out: Path) -> Path:
     import transformers
 
     from checkpoints.export import export_checkpoint
-    from model.config import load_preset
+    from model.gpt import load_preset
 
     p = load_preset(preset)
     torch.manual_seed(0)

@@ -28,8 +28,7 @@ import tiktoken
 import torch
 from safetensors.torch import save_file
 
-from base.checks import choice
-from base.errors import ConfigError
+from base.errors import ConfigError, choice
 from base.files import atomic_path, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from checkpoints.store import read_safetensors_header, stored_shapes, stored_state
-from model.config import GPTConfig
-from model.gpt import GPT
+from model.gpt import GPT, GPTConfig
 
 # HF's Conv1D weights, stored (in, out): the transpose of our Linear's
 CONV1D_WEIGHTS = (

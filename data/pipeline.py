@@ -43,8 +43,7 @@ import numpy as np
 import tiktoken
 from omegaconf import DictConfig, OmegaConf
 
-from base.entry import CONFIG_DIR
-from base.errors import DataError
+from base.errors import CONFIG_DIR, DataError
 from base.files import atomic_path, sha256_file, write_atomic
 from data.sources import get_source
 from data.tokenizer import (

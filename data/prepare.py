@@ -15,8 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 
-from base.entry import CONFIG_DIR
-from base.errors import DataError, user_errors
+from base.errors import CONFIG_DIR, DataError, user_errors
 from data.pipeline import known_datasets, prepare_data
 
 

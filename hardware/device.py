@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from base.checks import choice
-from base.errors import ConfigError
+from base.errors import ConfigError, choice
 from base.files import write_atomic
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.

@@ -16,8 +16,7 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from base.checks import check, is_int
-from base.errors import user_errors
+from base.errors import check, is_int, user_errors
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
 from data.sources import read_utf8

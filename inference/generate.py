@@ -25,7 +25,7 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from base.checks import check, is_int, is_number
+from base.errors import check, is_int, is_number
 from inference.decoding import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
 

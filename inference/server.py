@@ -36,8 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from base.checks import check, is_int
-from base.errors import user_errors
+from base.errors import check, is_int, user_errors
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
 from hardware.device import resolve_device

@@ -1,7 +1,14 @@
 """The causalgpt model: `from model import GPT, GPTConfig`."""
 
-from model.config import ATTENTION_IMPLS, GPTConfig, load_preset, preset_names
-from model.gpt import GPT, KVCache, eval_mode
+from model.gpt import (
+    ATTENTION_IMPLS,
+    GPT,
+    GPTConfig,
+    KVCache,
+    eval_mode,
+    load_preset,
+    preset_names,
+)
 
 __all__ = [
     "ATTENTION_IMPLS",

@@ -30,8 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
-from model.config import ATTENTION_IMPLS, GPTConfig
-from model.gpt import GPT
+from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig
 
 TRAIN_DROPOUT = 0.1  # the train-mode checks' dropout when the model has none
 # A shrunk copy: every option, 4 dimensions per head, a 64-token vocabulary, a 16-token context

@@ -3,7 +3,7 @@ checked before Hydra creates the run directory, and the `.hydra/` files written 
 
 The order of a `python train.py` run, so that a mistake leaves nothing behind and a failed or
 refused attempt never overwrites a run's files:
-1. Hydra composes the config (its own errors: base/entry.py);
+1. Hydra composes the config (its own errors: base/errors.py);
 2. `ValidateBeforeRunDir.on_run_start` validates it (`run_config`) before Hydra creates the run
    directory (configs/train.yaml sets hydra.output_subdir to null: Hydra writes nothing there);
 3. train.py's main validates again (the same function), builds the Trainer (which prepares the

@@ -19,9 +19,17 @@ from typing import Any
 
 import yaml
 
-from base.checks import boolean, check, choice, non_negative_int, number, positive, positive_int
-from base.entry import CONFIG_DIR
-from base.errors import ConfigError
+from base.errors import (
+    CONFIG_DIR,
+    ConfigError,
+    boolean,
+    check,
+    choice,
+    non_negative_int,
+    number,
+    positive,
+    positive_int,
+)
 
 
 def _yaml(name: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from base.checks import check, is_int
+from base.errors import check, is_int
 from checkpoints.sources import load_source
 from checkpoints.store import find_checkpoint
 from data import DataError, bits_per_byte, iter_eval_batches, prepare_data

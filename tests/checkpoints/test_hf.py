@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import hf
 from checkpoints.hf import FIELDS, load_hf_gpt2, unclassified
-from model.config import GPTConfig
+from model.gpt import GPTConfig
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import GPT
-from model.config import MLPS, NORMS, POS_EMBEDDINGS
+from model.gpt import MLPS, NORMS, POS_EMBEDDINGS
 
 
 @pytest.fixture(autouse=True, scope="package")
@@ -30,7 +30,7 @@ def one_torch_thread() -> Iterator[None]:
 # an axis the tests parametrize over (attention, dropout via train mode), or an option listed
 # here with its values, default first. test_causality.py fails when a field is in none of them,
 # so a new option cannot be left out; choice fields take every value their tuple in
-# model/config.py allows.
+# GPTConfig (model/gpt.py) allows.
 SIZES = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}
 AXES = {"attention", "dropout"}
 OPTION_VALUES = {

@@ -25,7 +25,7 @@ from model.causality import (
     perturbation_check,
     shrunk_config,
 )
-from model.config import MLPS, NORMS, POS_EMBEDDINGS
+from model.gpt import MLPS, NORMS, POS_EMBEDDINGS
 from tests.model.conftest import (
     ARCHITECTURES,
     AXES,
@@ -67,7 +67,7 @@ def test_every_config_field_is_in_the_option_matrix():
 
 
 def test_the_option_matrix_takes_every_allowed_value():
-    """Choice fields take every value model/config.py allows, booleans both; every value is
+    """Choice fields take every value GPTConfig (model/gpt.py) allows, booleans both; every value is
     valid and the first is the default; each other value is tested alone and in `all`."""
     assert OPTION_VALUES["pos_embedding"] == POS_EMBEDDINGS
     assert OPTION_VALUES["norm"] == NORMS and OPTION_VALUES["mlp"] == MLPS

@@ -10,7 +10,7 @@ import torch
 
 from checkpoints.hf import GPT2_ARCHITECTURE
 from model import GPT, GPTConfig, load_preset, preset_names
-from model.config import MAX_MLP_RATIO, MAX_SIZES
+from model.gpt import MAX_MLP_RATIO, MAX_SIZES
 from tests.conftest import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""Hydra's own errors (base/entry.py) are one `error:` line and exit code 2 in every entry point,
+"""Hydra's own errors (base/errors.py) are one `error:` line and exit code 2 in every entry point,
 and a train.py run that fails before it starts leaves no run directory behind."""
 
 from __future__ import annotations
