@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import boolean, check, hydra_main, is_int, user_errors
-from checkpoints.sources import load_source
+from checkpoints.store import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
 from model.causality import check_causality, shrunk_config

@@ -1,4 +1,5 @@
-"""Files and directories written whole or not at all, and a file's sha256.
+"""Files and directories written whole or not at all, a file's sha256, and a user's UTF-8 text file
+read with a one-line error.
 
 Everything written for a later reader (prepared data, checkpoints, exports, the run's records,
 the precision cache) goes through `atomic_path`, `write_atomic` or `write_dir_atomic`: written
@@ -18,6 +19,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from base.errors import DataError
 
 HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
 
@@ -116,3 +119,20 @@ def write_dir_atomic(path: str | Path, fill: Callable[[Path], object]) -> None:
         recover_swap(path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def read_utf8(
+    path: Path, key: str, errors: str = "strict", fix: str = "convert it to UTF-8, e.g. with iconv"
+) -> str:
+    """The text of the UTF-8 file `path`, given as `key`; a missing file or one that is not
+    UTF-8 is a DataError naming both, and `fix` says what to do."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{key} {path.resolve()} does not exist") from None
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{key} {path} is not UTF-8 text (byte {e.start} is not valid UTF-8); {fix}"
+        ) from None

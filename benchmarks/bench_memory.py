@@ -38,7 +38,7 @@ CELLS = [
 
 def child(cell: dict, args: argparse.Namespace) -> dict:
     """One cell in this process: the estimate and the measured peak above the baseline."""
-    from data import prepare_data
+    from data.pipeline import prepare_data
     from trainer.loop import Trainer
     from trainer.preflight import estimate_memory
 

@@ -105,7 +105,7 @@ def make_model(preset: str, out: Path) -> Path:
 def ours(model_dir: Path, items: Path, n: int) -> dict:
     import torch
 
-    from checkpoints.sources import load_source
+    from checkpoints.store import load_source
     from hardware.device import Precision
     from trainer.tasks import load_task, score_task, task_config
 

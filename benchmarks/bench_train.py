@@ -80,7 +80,7 @@ def compose(cell: dict, args: argparse.Namespace):
 def random_text(args: argparse.Namespace) -> Iterator[str]:
     """A temporary directory of random printable text (token values do not change speed),
     prepared here once, so that every cell finds the prepared cache."""
-    from data import prepare_data
+    from data.pipeline import prepare_data
 
     rng = random.Random(0)
     alphabet = string.ascii_letters + string.digits + " .,;\n"

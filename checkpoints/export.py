@@ -32,8 +32,7 @@ from base.errors import ConfigError, choice
 from base.files import atomic_path, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
-from checkpoints.sources import load_source
-from checkpoints.store import Checkpoint, find_checkpoint, stored_state
+from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
 from model import GPTConfig
 
 EOT = "<|endoftext|>"

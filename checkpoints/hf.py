@@ -18,7 +18,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from checkpoints.store import read_safetensors_header, stored_shapes, stored_state
+from base.errors import ConfigError
+from checkpoints.store import (
+    WEIGHT_FILES,
+    Checkpoint,
+    CheckpointError,
+    read_safetensors_header,
+    stored_shapes,
+    stored_state,
+)
 from model.gpt import GPT, GPTConfig
 
 # HF's Conv1D weights, stored (in, out): the transpose of our Linear's
@@ -28,7 +36,6 @@ CONV1D_WEIGHTS = (
     "mlp.c_fc.weight",
     "mlp.c_proj.weight",
 )
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a directory's, in order of preference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,3 +262,47 @@ def _config_from_shapes(
         if got != shape:
             raise ValueError(f"{hf_key}: shape {tuple(got)} != ours {shape}")
     return config
+
+
+# ----- Hugging Face directories and GPT-2 names as model sources (store.load_source) -----
+
+HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
+
+
+def download_gpt2(name: str) -> Path:
+    """The local directory of GPT-2 `name` in the hub client's cache, downloaded if missing
+    (config.json and model.safetensors only: every GPT-2 repository has safetensors)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
+            f"HF_HUB_OFFLINE=1); download it once with network access, or point at a local copy: "
+            f"a directory with config.json and model.safetensors, e.g. "
+            f"train.init_from=/path/to/{name} (or checkpoint=/path/to/{name})"
+        ) from None
+    except OSError as e:  # the hub's HTTP errors derive from OSError too
+        raise ConfigError(f"could not download {name} from the Hugging Face hub: {e}") from None
+
+
+def load_hf_dir(path: Path, device: str | torch.device = "cpu", **overrides: Any) -> Checkpoint:
+    """A Hugging Face GPT-2 directory as a Checkpoint (GPT-2's tokenizer, no trainer state)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "gpt2":
+        raise CheckpointError(
+            f"{path} holds a {model_type!r} model; Hugging Face directories must hold GPT-2 "
+            "(model_type 'gpt2' in config.json)"
+        )
+    try:
+        model = load_hf_gpt2(path, **overrides)
+    except (KeyError, RuntimeError) as e:  # missing tensors; unreadable weights
+        raise CheckpointError(f"cannot load the GPT-2 weights in {path}: {e}") from None
+    meta = {"tokenizer": "gpt2", "source": str(path), "step": None}
+    return Checkpoint(path, model.to(device), {"data": dict(HF_DATA)}, meta)

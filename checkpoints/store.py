@@ -1,4 +1,5 @@
-"""Checkpoints: safe to load, atomic to write, verified on read.
+"""Checkpoints: safe to load, atomic to write, verified on read; and the model sources that
+`checkpoint=` and `train.init_from=` accept (the end of this file).
 
 Layout of one checkpoint directory (`<run_dir>/checkpoints/last/` or `.../best/`):
 
@@ -26,17 +27,20 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import tiktoken
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from base.errors import ConfigError
 from base.files import recover_swap, sha256_file, write_dir_atomic
-from data import PreparedData
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
+
+if TYPE_CHECKING:  # a type only: reading a checkpoint does not load the data pipeline
+    from data.pipeline import PreparedData
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -489,3 +493,102 @@ def resume_source(resume: str | None, run_dir: str | Path) -> Path | None:
         last = Path(run_dir) / "checkpoints" / "last"
         return last if is_complete(last) else None
     return resolve_checkpoint(resume, prefer="last")
+
+
+# ----- model sources: what checkpoint= and train.init_from= accept -------------------------------
+
+# The one resolver behind train.init_from, sample.py, evaluate.py and export.py, so that every
+# place accepting a model accepts the same three kinds of source:
+# 1. a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl): fetched through the Hugging Face hub
+#    client, which downloads it once and then serves it from its cache (HF_HUB_OFFLINE=1: the
+#    cache alone);
+# 2. a local directory holding a Hugging Face GPT-2 model (config.json + model.safetensors or
+#    pytorch_model.bin, the latter read with weights_only=True: no code runs);
+# 3. one of our checkpoint or run directories.
+# Each loads as a `Checkpoint`. A Hugging Face model has no run config of ours; its stand-in has
+# one data section, `HF_DATA` (checkpoints/hf.py: the Shakespeare plays, GPT-2's tokenizer),
+# which is what `evaluate.py checkpoint=gpt2` scores.
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+)  # a HF directory's, in order of preference
+ACCEPTED = (
+    f"a GPT-2 name ({', '.join(GPT2_NAMES)}), a Hugging Face GPT-2 directory (config.json + "
+    f"{' or '.join(WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
+)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory (ours carry a manifest.json; theirs do not)."""
+    return (
+        (path / "config.json").is_file()
+        and not (path / MANIFEST_FILE).is_file()
+        and any((path / name).is_file() for name in WEIGHT_FILES)
+    )
+
+
+def load_source(
+    source: str | Path, device: str | torch.device = "cpu", **overrides: Any
+) -> Checkpoint:
+    """Load any model source (see the module docstring) on `device`; overrides: run-time
+    GPTConfig fields (dropout, attention)."""
+    name = str(source)
+    if name in GPT2_NAMES and not Path(name).exists():
+        from checkpoints.hf import download_gpt2, load_hf_dir
+
+        ckpt = load_hf_dir(download_gpt2(name), device, **overrides)
+        ckpt.meta["source"] = name
+        return ckpt
+    path = Path(name).expanduser()
+    if is_hf_dir(path):
+        from checkpoints.hf import load_hf_dir
+
+        return load_hf_dir(path, device, **overrides)
+    try:
+        path = resolve_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; a model source is {ACCEPTED}") from None
+    return load_checkpoint(path, device, **overrides)
+
+
+# ----- train.init_from: a source's model for a new run -------------------------------------------
+
+# The source fixes the architecture; a run may change only what does not change the weights'
+# meaning: dropout, the attention implementation, and a shorter context (block_size, the position
+# table cropped). Optimizer, schedule and step start fresh: that is what sets it apart from
+# train.resume, which continues a run.
+
+RUNTIME_KEYS = ("dropout", "attention", "flash_block_q", "flash_block_k")
+
+
+def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData) -> GPT:
+    """The model of `source` with this run's run-time fields. `requested`: the model keys the
+    run sets (see trainer/cli.py); any other one that differs from the source's is an error
+    naming it, as is a tokenizer other than the one the source was trained with."""
+    runtime = {k: requested[k] for k in RUNTIME_KEYS if k in requested}
+    ckpt = load_source(source, **runtime)
+    theirs = ckpt.model.config
+    if not ckpt.same_tokenizer(data):
+        name = ckpt.tokenizer_name
+        hint = f", which was trained with {name}: set data.tokenizer={name}"
+        if data.tokenizer_name == name:
+            hint = " (the same name, trained on other text: use the source's data)"
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer_name} does not match the vocabulary of "
+            f"train.init_from={source}{hint}"
+        )
+    values = {k: v for k, v in requested.items() if not (k == "vocab_size" and v is None)}
+    block_size = values.pop("block_size", theirs.block_size)
+    GPTConfig.from_dict({**theirs.to_dict(), **values})  # unknown keys, bad values: named
+    for key, value in values.items():
+        if key not in RUNTIME_KEYS and value != getattr(theirs, key):
+            raise ConfigError(
+                f"model.{key}={value!r} contradicts train.init_from={source}, whose {key} is "
+                f"{getattr(theirs, key)!r}: the architecture comes from the source; drop "
+                f"model.{key} (run-time keys it allows: {', '.join(RUNTIME_KEYS)}, block_size)"
+            )
+    if block_size != theirs.block_size:
+        ckpt.model.crop_block_size(block_size)
+    return ckpt.model

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from base.errors import DataError
+from base.files import read_utf8
 
 if TYPE_CHECKING:
     import datasets
@@ -141,23 +142,6 @@ def text_identity(cfg: dict[str, Any]) -> dict[str, Any]:
     stats = {split: file_stats(files) for split, files in _file_lists(cfg).items()}
     keys = ("val_fraction", "encoding_errors")
     return {"files": stats, **{k: cfg.get(k) for k in keys}}
-
-
-def read_utf8(
-    path: Path, key: str, errors: str = "strict", fix: str = "convert it to UTF-8, e.g. with iconv"
-) -> str:
-    """The text of the UTF-8 file `path`, given as `key`; a missing file or one that is not
-    UTF-8 is a DataError naming both, and `fix` says what to do."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{key} {path.resolve()} does not exist") from None
-    try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{key} {path} is not UTF-8 text (byte {e.start} is not valid UTF-8); {fix}"
-        ) from None
 
 
 def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:

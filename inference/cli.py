@@ -17,9 +17,8 @@ import tiktoken
 import torch
 
 from base.errors import check, is_int, user_errors
-from checkpoints.sources import load_source
-from checkpoints.store import find_checkpoint
-from data.sources import read_utf8
+from base.files import read_utf8
+from checkpoints.store import find_checkpoint, load_source
 from hardware.device import resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.decoding import decoding_dtype

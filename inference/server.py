@@ -37,8 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from base.errors import check, is_int, user_errors
-from checkpoints.sources import load_source
-from checkpoints.store import find_checkpoint
+from checkpoints.store import find_checkpoint, load_source
 from hardware.device import resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job

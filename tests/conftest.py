@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from checkpoints.store import save_checkpoint  # noqa: E402
-from data import PreparedData, prepare_data  # noqa: E402
+from data.pipeline import PreparedData, prepare_data  # noqa: E402
 from data.tokenizer import get_tokenizer, parse_tokenizer, train_bpe  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

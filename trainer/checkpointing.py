@@ -33,7 +33,7 @@ from checkpoints.store import (
     resume_source,
     save_checkpoint,
 )
-from data import PreparedData
+from data.pipeline import PreparedData
 from model import GPT, GPTConfig
 from trainer.distributed import DistInfo, barrier, full_model
 from trainer.reporting import format_bytes

@@ -27,8 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from base.errors import ConfigError, exit_user_error, user_errors
 from base.files import write_atomic
-from checkpoints.sources import RUNTIME_KEYS
-from checkpoints.store import read_config, resume_source, writable_error
+from checkpoints.store import RUNTIME_KEYS, read_config, resume_source, writable_error
 from model import GPTConfig
 from trainer.config import RunConfig
 
@@ -91,7 +90,7 @@ def run_config(
 def requested_model(
     model: dict[str, Any], default_model: dict[str, Any], overrides: list[str]
 ) -> dict[str, Any]:
-    """The model keys a run sets itself: the run-time ones (checkpoints/sources.py), those named
+    """The model keys a run sets itself: the run-time ones (checkpoints/store.py), those named
     in its command-line `overrides`, and those differing from `default_model`, the model section
     of the config composed without overrides (so set by an experiment or a model=<preset>
     choice). The default preset's other values are no request: train.init_from's source

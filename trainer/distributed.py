@@ -28,8 +28,8 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from base.errors import ConfigError
-from data import DataError, PreparedData
+from base.errors import ConfigError, DataError
+from data.pipeline import PreparedData
 from model import GPT
 
 T = TypeVar("T")

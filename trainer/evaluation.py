@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from base.errors import check, is_int
-from checkpoints.sources import load_source
-from checkpoints.store import find_checkpoint
-from data import DataError, bits_per_byte, iter_eval_batches, prepare_data
-from data.sources import read_utf8
+from base.errors import DataError, check, is_int
+from base.files import read_utf8
+from checkpoints.store import find_checkpoint, load_source
+from data.loader import bits_per_byte, iter_eval_batches
+from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
 from model import GPT, eval_mode
 from trainer.distributed import all_reduce_sum, in_lockstep

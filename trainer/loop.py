@@ -25,9 +25,9 @@ from typing import Any, Literal
 import torch
 
 from base.errors import ConfigError
-from checkpoints.sources import pretrained_model
-from data import prepare_data
+from checkpoints.store import pretrained_model
 from data.loader import BatchSampler, PrefetchingSampler
+from data.pipeline import prepare_data
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode

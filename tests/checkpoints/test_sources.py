@@ -1,5 +1,5 @@
 """Model sources: GPT-2 names through the hub client (mocked at its boundary), Hugging Face GPT-2
-directories, and our checkpoints all load through checkpoints.sources.load_source."""
+directories, and our checkpoints all load through checkpoints.store.load_source."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 
 from base.errors import ConfigError
-from checkpoints.sources import load_source
-from checkpoints.store import CheckpointError, save_checkpoint
+from checkpoints.store import CheckpointError, load_source, save_checkpoint
 from model import GPT
 from tests.conftest import save_tiny_hf_gpt2, tiny_config
 

@@ -12,10 +12,18 @@ import pytest
 import regex
 
 import data.pipeline
-from data import DataError, PreparedData, get_tokenizer, load_tokenizer, prepare_data
-from data.pipeline import InvalidCache, verify_prepared
+from base.errors import DataError
+from data.pipeline import InvalidCache, PreparedData, prepare_data, verify_prepared
 from data.sources import VAL_PLAYS, play_files
-from data.tokenizer import BPE, PATTERN, TOKENIZER_FILE, parse_tokenizer, train_bpe
+from data.tokenizer import (
+    BPE,
+    PATTERN,
+    TOKENIZER_FILE,
+    get_tokenizer,
+    load_tokenizer,
+    parse_tokenizer,
+    train_bpe,
+)
 from tests.conftest import TRICKY
 
 

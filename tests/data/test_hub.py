@@ -10,8 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, IterableDataset
 
-from data import DataError, get_tokenizer, prepare_data
+from base.errors import DataError
+from data.pipeline import prepare_data
 from data.sources import load_split
+from data.tokenizer import get_tokenizer
 
 DOCS = [f"Story {i}: once upon a time there was a caf\u00e9 number {i}." for i in range(40)]
 

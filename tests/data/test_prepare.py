@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import data.pipeline
-from data import DATASETS, DataError, PreparedData, get_tokenizer, prepare_data
-from data.pipeline import InvalidCache, verify_prepared
+from base.errors import DataError
+from data.pipeline import InvalidCache, PreparedData, known_datasets, prepare_data, verify_prepared
 from data.sources import tail_split
+from data.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,9 @@ def fail_builds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_known_datasets_have_configs() -> None:
-    assert {"shakespeare", "tinystories", "fineweb_edu", "openwebtext", "text"} <= set(DATASETS)
+    assert {"shakespeare", "tinystories", "fineweb_edu", "openwebtext", "text"} <= set(
+        known_datasets()
+    )
 
 
 def test_cache_is_reused(shakespeare: PreparedData, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,7 +224,7 @@ def test_a_big_verification_is_announced(
 PREPARE = """
 import os, signal, sys
 from pathlib import Path
-from data import prepare_data
+from data.pipeline import prepare_data
 real = os.replace
 def replace(src, dst):
     if Path(dst).name == sys.argv[2]:

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from data import BatchSampler, DataError, PreparedData, bits_per_byte, iter_eval_batches
+from base.errors import DataError
+from data.loader import BatchSampler, bits_per_byte, iter_eval_batches
+from data.pipeline import PreparedData
 
 TOKENS = np.arange(10_000, dtype=np.uint16)  # token value == position: windows are checkable
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from data import PreparedData, get_tokenizer
+from data.pipeline import PreparedData
 from data.sources import VAL_PLAYS, load_shakespeare, play_files
+from data.tokenizer import get_tokenizer
 
 
 def test_split_is_exactly_the_named_plays() -> None:

@@ -10,8 +10,8 @@ import pytest
 import tiktoken
 from transformers import GPT2TokenizerFast
 
-from data import DataError, get_tokenizer
-from data.tokenizer import GPT2_FILES_SHA256, gpt2_bpe_files, token_dtype
+from base.errors import DataError
+from data.tokenizer import GPT2_FILES_SHA256, get_tokenizer, gpt2_bpe_files, token_dtype
 from tests.conftest import TRICKY
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import get_tokenizer
+from data.tokenizer import get_tokenizer
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from model import GPT
 from tests.conftest import tiny_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data import get_tokenizer
+from data.tokenizer import get_tokenizer
 from inference import TextStream
 
 tok = get_tokenizer("gpt2")

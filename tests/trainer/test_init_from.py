@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 import trainer.loop as trainer_loop
 from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
-from checkpoints.sources import load_source
-from checkpoints.store import load_checkpoint
+from checkpoints.store import load_checkpoint, load_source
 from data.tokenizer import get_tokenizer
 from inference.cli import run as sample
 from tests.trainer.conftest import CONFIGS, TINY, compose_run, run_script

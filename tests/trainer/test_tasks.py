@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from base.errors import ConfigError
-from data import DataError
+from base.errors import ConfigError, DataError
 from data.tokenizer import get_tokenizer
 from model import GPT
 from tests.trainer.conftest import (

@@ -13,8 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from base.errors import DataError
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
-from data import DataError
 from data.tokenizer import BPE, TOKENIZER_FILE
 from inference.cli import run as sample
 from tests.trainer.conftest import CONFIGS, PLAYS, make_trainer
