@@ -10,7 +10,7 @@ from base.errors import hydra_main, user_errors
 
 @hydra_main("evaluate")
 def main(cfg: DictConfig) -> None:
-    from trainer.evaluation import evaluate_checkpoint  # once Hydra has checked the config
+    from evals.loss import evaluate_checkpoint  # once Hydra has checked the config
 
     with user_errors():
         result = evaluate_checkpoint(OmegaConf.to_container(cfg, resolve=True), say=print)

@@ -13,8 +13,8 @@ def main(cfg: DictConfig) -> None:
     # Imported once Hydra has composed the config: a mistyped key or group is reported before
     # torch and the trainer load.
     from checkpoints.store import CheckpointError
+    from hardware.distributed import DistInfo
     from trainer.cli import removed_if_failed, run_config, write_run_files
-    from trainer.distributed import DistInfo
     from trainer.loop import Trainer, TrainingError, TrainingInterrupted
     from trainer.preflight import acquire_run_lock
 

@@ -5,7 +5,7 @@ context, about HellaSwag's length, the start of the next line for ctx_b, its tru
 three other lines' rests as the endings; the hub is not needed) with the same weights: a
 randomly initialised GPT-2 of the chosen preset, saved by transformers and exported by
 export.py, which the harness loads as `--model hf` and we load as `checkpoint=`. Ours is
-`trainer.tasks.score_task` (the shared context once, the endings batched from its KV cache);
+`evals.tasks.score_task` (the shared context once, the endings batched from its KV cache);
 the harness's is `simple_evaluate` on the same local file through its own `hellaswag`
 preprocessing. Both are timed from reading the items to the metrics, after the model is
 loaded. The two accuracies must agree: the same definition on the same weights. Both run
@@ -106,8 +106,8 @@ def ours(model_dir: Path, items: Path, n: int) -> dict:
     import torch
 
     from checkpoints.store import load_source
+    from evals.tasks import load_task, score_task, task_config
     from hardware.device import Precision
-    from trainer.tasks import load_task, score_task, task_config
 
     ckpt = load_source(str(model_dir), torch.device("cpu"))
     cfg = {**task_config("hellaswag"), "data_files": str(items), "limit": n}

@@ -17,9 +17,10 @@ FLOORS = {
     "base": 0,  # errors, config checks, the Hydra entry: imports nothing of ours
     "model": 1,
     "data": 1,
-    "hardware": 1,  # devices, precision, probes
+    "hardware": 2,  # devices, precision, probes, memory; processes under torchrun (DDP, FSDP)
     "checkpoints": 2,  # our checkpoints, sources, Hugging Face interchange
     "inference": 3,
+    "evals": 3,  # loss and bits per byte, downstream tasks: evaluate.py's and training's
     "trainer": 4,
     "entry": 5,  # train.py, sample.py, evaluate.py, benchmarks/
 }

@@ -34,8 +34,8 @@ from checkpoints.store import (
     save_checkpoint,
 )
 from data.pipeline import PreparedData
+from hardware.distributed import DistInfo, barrier, full_model
 from model import GPT, GPTConfig
-from trainer.distributed import DistInfo, barrier, full_model
 from trainer.reporting import format_bytes
 
 

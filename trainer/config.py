@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -39,16 +38,6 @@ def _yaml(name: str) -> dict[str, Any]:
 TRAIN_YAML = _yaml("train.yaml")
 # optim=muon extends optim=adamw with its own keys; adamw's values win where both have one.
 OPTIM_YAML = {**_yaml("optim/muon.yaml"), **_yaml("optim/adamw.yaml")}
-TASKS_DIR = CONFIG_DIR / "task"
-
-
-def task_config(name: str) -> dict[str, Any]:
-    """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
-    path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
-        raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
-    return yaml.safe_load(path.read_text())
 
 
 def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
@@ -115,8 +104,11 @@ class TrainSettings:
         ok = isinstance(self.eval_tasks, (list, tuple))
         check("train.eval_tasks", self.eval_tasks, ok, "a list like [hellaswag,arc_easy]")
         self.eval_tasks = [str(name) for name in self.eval_tasks]
-        for name in self.eval_tasks:
-            task_config(name)  # an unknown task fails here, before the run dir is made
+        if self.eval_tasks:
+            from evals.tasks import task_config  # the tasks' module only for runs that use it
+
+            for name in self.eval_tasks:
+                task_config(name)  # an unknown task fails here, before the run dir is made
 
 
 @defaults_from(OPTIM_YAML)

@@ -4,7 +4,7 @@ One optimizer step = `grad_accum_steps` micro-batches of `batch_size` windows on
 `world_size` ranks. Everything a resumed run needs to continue exactly where it stopped (weights,
 optimizer, step, RNG, data position, best loss, elapsed time) is in the `last` checkpoint.
 
-Under torchrun (see trainer/distributed.py) every rank runs this same loop on its own slice of
+Under torchrun (see hardware/distributed.py) every rank runs this same loop on its own slice of
 each batch; decisions (a non-finite loss, a signal, the time budget) are agreed on by all ranks
 so that they stop at the same step, and rank 0 alone prints, logs and writes checkpoints.
 """
@@ -28,12 +28,9 @@ from base.errors import ConfigError
 from checkpoints.store import pretrained_model
 from data.loader import BatchSampler, PrefetchingSampler
 from data.pipeline import prepare_data
+from evals.loss import Counter, EvalResult, evaluate
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
-from inference.generate import SamplingParams, generate
-from model import GPT, GPTConfig, eval_mode
-from trainer.checkpointing import CheckpointManager, FunctionState
-from trainer.config import RunConfig
-from trainer.distributed import (
+from hardware.distributed import (
     DistInfo,
     all_reduce_max,
     check_visible,
@@ -50,11 +47,13 @@ from trainer.distributed import (
     run_on_main,
     wrap_model,
 )
-from trainer.evaluation import EvalResult, evaluate
+from inference.generate import SamplingParams, generate
+from model import GPT, GPTConfig, eval_mode
+from trainer.checkpointing import CheckpointManager, FunctionState
+from trainer.config import RunConfig
 from trainer.optim import build_optimizer, lr_scale, set_lr
 from trainer.preflight import causality_guard, check_memory
-from trainer.reporting import Counter, MetricsLog, Progress, Tracker, format_seconds
-from trainer.tasks import load_task, score_task, task_config, task_line
+from trainer.reporting import MetricsLog, Progress, Tracker, format_seconds
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -179,15 +178,19 @@ class Trainer:
         self.data = run_on_main(lambda: prepare_data(cfg.data))
         check_visible(self.data)
         self.model = self._new_model(self.dist.world_size if sharded else 1)
-        with main_first():  # rank 0 downloads a hub task once; the others read its cache
-            self.tasks = [  # scored at each evaluation: the first eval_task_items of each
-                load_task(
-                    {**task_config(name), "limit": train.eval_task_items},
-                    self.data.tokenizer(),
-                    self.model.config.block_size,
-                )
-                for name in train.eval_tasks
-            ]
+        self.tasks = []  # scored at each evaluation: the first eval_task_items of each
+        if train.eval_tasks:
+            from evals.tasks import load_task, task_config  # loaded for tasks alone
+
+            with main_first():  # rank 0 downloads a hub task once; the others read its cache
+                self.tasks = [
+                    load_task(
+                        {**task_config(name), "limit": train.eval_task_items},
+                        self.data.tokenizer(),
+                        self.model.config.block_size,
+                    )
+                    for name in train.eval_tasks
+                ]
         # 3. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
         # and the optimizer over the (sharded) parameters.
         self.checkpoints = CheckpointManager(
@@ -519,6 +522,8 @@ class Trainer:
         )
         metrics = result.metrics("val")
         for task in self.tasks:  # each rank scores its share of the items
+            from evals.tasks import score_task, task_line
+
             scores = score_task(
                 self.model, task, self.precision, self.dist.rank, self.dist.world_size
             )

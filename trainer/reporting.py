@@ -83,31 +83,6 @@ class Progress:
             self.bar = None
 
 
-class Counter:
-    """Progress through `total` units (evaluation's tokens or items), told the count done so
-    far: a bar on a terminal, otherwise a line at each tenth (logs, CI, pipes)."""
-
-    def __init__(self, total: int, unit: str):
-        self.total, self.unit, self.tenths = max(total, 1), unit, 0
-        self.bar = None
-        if sys.stdout.isatty():
-            self.bar = tqdm(total=total, unit=unit, dynamic_ncols=True, leave=False)
-
-    def __call__(self, done: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-        elif done * 10 // self.total > self.tenths:
-            self.tenths = done * 10 // self.total
-            print(f"{done:,} of {self.total:,} {self.unit}s", flush=True)
-
-    def __enter__(self) -> Counter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 # ----- metrics.jsonl and loss.png ----------------------------------------------------------------
 
 # A record of the run that needs no account: `<run_dir>/metrics.jsonl` and `<run_dir>/loss.png`.

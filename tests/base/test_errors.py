@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.conftest import run_script
+from tests.conftest import run_script
 
 PRESETS = "gpt2, gpt2-large, gpt2-medium, gpt2-xl, mini, nano"
 

@@ -1,3 +1,3 @@
 """Fault tests train on the training tests' small corpus (see tests/trainer/conftest.py)."""
 
-from tests.trainer.conftest import corpus  # noqa: F401
+from tests.conftest import corpus  # noqa: F401

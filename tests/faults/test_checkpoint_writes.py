@@ -20,8 +20,7 @@ from safetensors import SafetensorError
 import checkpoints.store as checkpoint
 from checkpoints.store import CheckpointError, check_writable, load_checkpoint, save_checkpoint
 from model import GPT
-from tests.conftest import tiny_config
-from tests.trainer.conftest import HANG_SECONDS, ROOT, TINY, make_trainer, run_script
+from tests.conftest import HANG_SECONDS, ROOT, TINY, make_trainer, run_script, tiny_config
 
 ENOSPC = os.strerror(errno.ENOSPC)  # "No space left on device"
 

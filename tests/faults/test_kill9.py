@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, verify_checkpoint
-from tests.trainer.conftest import HANG_SECONDS, TINY
+from tests.conftest import HANG_SECONDS, TINY
 
 pytestmark = [
     pytest.mark.slow,

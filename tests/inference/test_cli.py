@@ -21,7 +21,7 @@ from checkpoints.store import (
 from inference.cli import SEPARATOR, main, run
 from inference.generate import decode_escapes
 from model import GPT, GPTConfig
-from tests.trainer.conftest import HANG_SECONDS
+from tests.conftest import HANG_SECONDS
 
 SAMPLE_PY = Path(__file__).resolve().parents[2] / "sample.py"
 

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 import check_causality
 from checkpoints.store import save_checkpoint
 from model import GPT, preset_names
-from tests.conftest import tiny_config
-from tests.trainer.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_script, tiny_config
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 

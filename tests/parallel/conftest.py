@@ -1,3 +1,3 @@
 """The training tests' small corpus, for the multi-process runs too."""
 
-from tests.trainer.conftest import corpus  # noqa: F401 - a fixture, used by name
+from tests.conftest import corpus  # noqa: F401 - a fixture, used by name

@@ -12,9 +12,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.trainer.conftest import CPU, GPT2, model_for
-from trainer.distributed import DistInfo, wrap_model
-from trainer.tasks import load_task, score_task, task_config
+from evals.tasks import load_task, score_task, task_config
+from hardware.distributed import DistInfo, wrap_model
+from tests.conftest import CPU, GPT2, model_for
 
 dist.init_process_group("gloo")
 model = model_for()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from checkpoints.store import load_checkpoint
-from tests.parallel.worker import PROBE
-from tests.trainer.conftest import (
+from evals.tasks import load_task, score_task, task_config
+from tests.conftest import (
     CPU,
     GPT2,
     HANG_SECONDS,
@@ -29,7 +29,7 @@ from tests.trainer.conftest import (
     model_for,
     write_jsonl,
 )
-from trainer.tasks import load_task, score_task, task_config
+from tests.parallel.worker import PROBE
 
 pytestmark = pytest.mark.slow
 

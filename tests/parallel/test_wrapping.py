@@ -9,14 +9,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from evals.tasks import load_task, score_task
+from hardware import distributed
+from hardware.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
 from inference import SamplingParams, generate
 from inference.decoding import decodes_from_a_copy
 from model import GPT
-from tests.conftest import tiny_config
-from tests.trainer.conftest import CPU, GPT2, local_task, model_for
-from trainer import distributed
-from trainer.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
-from trainer.tasks import load_task, score_task
+from tests.conftest import CPU, GPT2, local_task, model_for, tiny_config
 
 TWO_RANKS = DistInfo(rank=0, local_rank=0, world_size=2)  # `enabled`: wrap as under torchrun
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.trainer.conftest import ROOT, make_trainer
+from tests.conftest import ROOT, make_trainer
 
 PROBE = torch.arange(64).reshape(2, 32) * 97 % 50257  # fixed tokens, block_size 32
 

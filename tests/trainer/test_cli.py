@@ -10,7 +10,7 @@ import checkpoints.store
 from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
 from model import load_preset
-from tests.trainer.conftest import CONFIGS, TINY, compose_run, make_trainer
+from tests.conftest import CONFIGS, TINY, compose_run, make_trainer
 from trainer.cli import resumed_config, run_config, saved_config
 from trainer.loop import Trainer
 

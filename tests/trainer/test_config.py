@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from model import GPTConfig
-from tests.trainer.conftest import CONFIGS, ROOT, compose_run
+from tests.conftest import CONFIGS, ROOT, compose_run
 from trainer.config import ConfigError, OptimSettings, RunConfig
 
 

@@ -10,7 +10,7 @@ import torch
 import trainer.loop
 from checkpoints.store import load_checkpoint
 from model.gpt import CausalSelfAttention
-from tests.trainer.conftest import ROOT, TINY, compose_run, make_trainer, run_script
+from tests.conftest import ROOT, TINY, compose_run, make_trainer, run_script
 from trainer.preflight import causality_guard
 
 

@@ -16,11 +16,11 @@ from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from checkpoints.store import load_checkpoint, load_source
 from data.tokenizer import get_tokenizer
+from evals.loss import evaluate_checkpoint
 from inference.cli import run as sample
-from tests.trainer.conftest import CONFIGS, TINY, compose_run, run_script
+from tests.conftest import CONFIGS, TINY, compose_run, run_script
 from trainer.cli import requested_model
 from trainer.config import RunConfig
-from trainer.evaluation import evaluate_checkpoint
 from trainer.loop import Trainer
 
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,7 @@ import torch
 from base.errors import ConfigError
 from checkpoints.store import CheckpointError, load_checkpoint
 from model import GPT
-from tests.conftest import tiny_config
-from tests.trainer.conftest import HANG_SECONDS, compose_run, losses, make_trainer
+from tests.conftest import HANG_SECONDS, compose_run, losses, make_trainer, tiny_config
 from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError, TrainingInterrupted

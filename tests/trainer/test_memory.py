@@ -14,7 +14,7 @@ import torch
 from base.errors import ConfigError
 from hardware.device import Precision
 from model import GPTConfig, load_preset
-from tests.trainer.conftest import ROOT, TINY, compose_run
+from tests.conftest import ROOT, TINY, compose_run
 from trainer import preflight
 from trainer.preflight import check_memory, estimate_memory
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.trainer.conftest import make_trainer
+from tests.conftest import make_trainer
 from trainer.reporting import METRICS_FILE, PLOT_FILE, MetricsLog, draw, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
+from hardware.distributed import load_optimizer_state
 from model import GPT
-from tests.conftest import tiny_config
-from tests.trainer.conftest import compose_run
+from tests.conftest import compose_run, tiny_config
 from trainer.config import ConfigError, OptimSettings
-from trainer.distributed import load_optimizer_state
 from trainer.loop import Trainer
 from trainer.optim import (
     Muon,

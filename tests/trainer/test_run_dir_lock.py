@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from checkpoints.store import load_checkpoint
-from tests.trainer.conftest import ROOT, TINY, run_script
+from tests.conftest import ROOT, TINY, run_script
 from tests.trainer.lock_holder import start_holder
 from trainer.preflight import LOCK_FILE, acquire_run_lock
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from checkpoints.store import load_checkpoint
-from tests.trainer.conftest import losses, make_trainer
+from tests.conftest import losses, make_trainer
 
 EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG state counts too
 

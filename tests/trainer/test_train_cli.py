@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from checkpoints.store import load_checkpoint
-from tests.trainer.conftest import HANG_SECONDS, PLAYS, ROOT, TINY, run_script
+from tests.conftest import HANG_SECONDS, PLAYS, ROOT, TINY, run_script
 
 
 def test_a_short_run_prints_where_the_checkpoint_went_and_nothing_noisy(

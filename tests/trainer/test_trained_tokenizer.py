@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from base.errors import DataError
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from data.tokenizer import BPE, TOKENIZER_FILE
+from evals.loss import evaluate_checkpoint
 from inference.cli import run as sample
-from tests.trainer.conftest import CONFIGS, PLAYS, make_trainer
-from trainer.evaluation import evaluate_checkpoint
+from tests.conftest import CONFIGS, PLAYS, make_trainer
 
 
 def data_overrides(root: Path) -> list[str]:

@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from evals import loss as eval_loss
+from evals.loss import evaluate, sliding_windows
 from hardware.device import Precision
 from model import GPT
-from tests.conftest import tiny_config
-from tests.trainer.conftest import run_script
-from trainer import evaluation
-from trainer.evaluation import evaluate, sliding_windows
+from tests.conftest import run_script, tiny_config
 
 CPU = Precision(torch.device("cpu"), torch.float32)
 
@@ -55,7 +54,7 @@ def test_the_loss_is_the_same_whatever_the_windows_per_forward(monkeypatch):
     model = GPT(tiny_config()).eval()
     tokens = np.random.default_rng(2).integers(0, 101, 97)
     whole = evaluate(model, tokens, 1.0, 4, CPU, max_batches=1)
-    monkeypatch.setattr(evaluation, "MAX_LOGITS", 1)
+    monkeypatch.setattr(eval_loss, "MAX_LOGITS", 1)
     assert evaluate(model, tokens, 1.0, 4, CPU, max_batches=1).loss == pytest.approx(whole.loss)
     assert whole.tokens == 4 * 16  # max_batches counts batches of batch_size windows
 

@@ -13,8 +13,16 @@ import torch.nn.functional as F
 
 from base.errors import ConfigError, DataError
 from data.tokenizer import get_tokenizer
+from evals.tasks import (
+    encode_pair,
+    load_task,
+    requested_tasks,
+    score_choices,
+    score_task,
+    task_config,
+)
 from model import GPT
-from tests.trainer.conftest import (
+from tests.conftest import (
     ARC,
     CPU,
     GPT2,
@@ -29,14 +37,6 @@ from tests.trainer.conftest import (
     write_jsonl,
 )
 from trainer.reporting import METRICS_FILE, read_metrics
-from trainer.tasks import (
-    encode_pair,
-    load_task,
-    requested_tasks,
-    score_choices,
-    score_task,
-    task_config,
-)
 
 
 def test_items_are_the_harness_prompts(tmp_path):

@@ -1,8 +1,11 @@
-"""Validation loss and bits per byte over non-overlapping windows of a token split."""
+"""Validation loss and bits per byte over non-overlapping (or sliding) windows of a token split or
+a text file: what training reports at each evaluation and what `python evaluate.py` prints, with
+the progress both show. Downstream tasks are evals/tasks.py's."""
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from base.errors import DataError, check, is_int
 from base.files import read_utf8
@@ -17,14 +21,37 @@ from checkpoints.store import find_checkpoint, load_source
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
+from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
-from trainer.distributed import all_reduce_sum, in_lockstep
-from trainer.reporting import Counter
-from trainer.tasks import load_task, requested_tasks, score_task, task_line
 
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
 # forwards as many windows as keep them under this many (1 GB), whatever the batch size.
 MAX_LOGITS = 2**28
+
+
+class Counter:
+    """Progress through `total` units (evaluation's tokens or items), told the count done so
+    far: a bar on a terminal, otherwise a line at each tenth (logs, CI, pipes)."""
+
+    def __init__(self, total: int, unit: str):
+        self.total, self.unit, self.tenths = max(total, 1), unit, 0
+        self.bar = None
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=total, unit=unit, dynamic_ncols=True, leave=False)
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        elif done * 10 // self.total > self.tenths:
+            self.tenths = done * 10 // self.total
+            print(f"{done:,} of {self.total:,} {self.unit}s", flush=True)
+
+    def __enter__(self) -> Counter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @dataclass
@@ -128,16 +155,12 @@ def evaluate_checkpoint(
     precision = resolve_precision(device, cfg["dtype"])
     ckpt = load_source(find_checkpoint(None) if source is None else source, device)
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
-    if task_cfgs := requested_tasks(cfg["task"], cfg["tasks"]):
-        results = {}
-        for task_cfg in task_cfgs:
-            task = load_task(task_cfg, tokenizer, ckpt.model.config.block_size)
-            where = task_cfg["data_files"] or task_cfg["path"]
-            say(f"{task.name}: {len(task.items):,} items from {where}")
-            with Counter(len(task.items), "item") as counter:
-                results[task.name] = score_task(ckpt.model, task, precision, progress=counter)
-            say(task_line(task.name, results[task.name]))
-        return {"checkpoint": str(ckpt.path), "tasks": results}
+    if "name" in (cfg["task"] or {}) or cfg["tasks"]:  # evals/tasks.py: loaded for tasks alone
+        from evals.tasks import requested_tasks, score_tasks
+
+        task_cfgs = requested_tasks(cfg["task"], cfg["tasks"])
+        tasks = score_tasks(ckpt.model, tokenizer, task_cfgs, precision, say)
+        return {"checkpoint": str(ckpt.path), "tasks": tasks}
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
         text = read_utf8(file, "text_file")

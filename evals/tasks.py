@@ -24,13 +24,25 @@ from typing import Any
 import tiktoken
 import torch
 import torch.nn.functional as F
+import yaml
 
-from base.errors import ConfigError, DataError
+from base.errors import CONFIG_DIR, ConfigError, DataError
 from data.sources import load_dataset
+from evals.loss import Counter
 from hardware.device import Precision
+from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
-from trainer.config import task_config
-from trainer.distributed import all_reduce_sum, in_lockstep
+
+TASKS_DIR = CONFIG_DIR / "task"
+
+
+def task_config(name: str) -> dict[str, Any]:
+    """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
+    path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
+        raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
+    return yaml.safe_load(path.read_text())
 
 
 def _clean(text: str) -> str:
@@ -238,6 +250,26 @@ def requested_tasks(task: dict[str, Any] | None, names: list[str]) -> list[dict[
     task = task or {}
     chosen = [task] if "name" in task else []
     return chosen + [{**task_config(n), "limit": task.get("limit")} for n in names]
+
+
+def score_tasks(
+    model: GPT,
+    tokenizer: tiktoken.Encoding,
+    task_cfgs: list[dict[str, Any]],
+    precision: Precision,
+    say: Callable[[str], None],
+) -> dict[str, dict[str, float]]:
+    """evaluate.py's downstream scores: each task's metrics, its plan and its result told to
+    `say` as they come, with a progress counter over its items."""
+    results = {}
+    for task_cfg in task_cfgs:
+        task = load_task(task_cfg, tokenizer, model.config.block_size)
+        where = task_cfg["data_files"] or task_cfg["path"]
+        say(f"{task.name}: {len(task.items):,} items from {where}")
+        with Counter(len(task.items), "item") as counter:
+            results[task.name] = score_task(model, task, precision, progress=counter)
+        say(task_line(task.name, results[task.name]))
+    return results
 
 
 def task_line(name: str, metrics: dict[str, float]) -> str:
