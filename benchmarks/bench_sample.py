@@ -12,7 +12,7 @@ past the 256-token block, so the window restarts). Rows:
 - ours without the KV cache (a forward over the window each step);
 - ours with the KV cache (one token a step, half a window re-processed every 128 tokens),
   in float32 and, where either precision probe picks it (training's or generation's, see
-  inference/decoding.py), bfloat16 weights (half the bytes a token);
+  hardware/device.py), bfloat16 weights (half the bytes a token);
 - the decoding step's matrix-vector products alone (every block's Linear layers, then the head,
   in the layout generation uses), nothing else: how fast this machine's BLAS reads the weights,
   the ceiling of any decoder that calls it. The gap between this row and the cached one is
@@ -25,7 +25,7 @@ between ~30 and ~58 GB/s), so every run of a row is framed by two copies, and it
 the higher of the two (the stricter). The rows are measured --rounds times, interleaved: a
 row's tok/s and roofline are medians over the rounds, "of roofline" the median of the runs'
 own fractions, and "vs nanoGPT" the median of the per-round ratios. A first table times those
-matrix-vector products in each layout (inference/decoding.py): nn.Linear's, an (in, out) copy,
+matrix-vector products in each layout (hardware/device.py): nn.Linear's, an (in, out) copy,
 and that copy cut into blocks of rows, one per thread, as generation uses on a CPU. A last
 table runs the cached float32 row on a quiet machine and with one core kept busy by another
 process: on every thread, on one, and as generation does (trial steps on each count, then the
@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from harness import head, row
 from torch import nn
 
-from hardware.device import cpu_auto_dtype
-from inference import SamplingParams, decoding, generate
-from inference.decoding import SplitLinear, cpu_decoding_dtype, cpu_threads
+from hardware import device
+from hardware.device import SplitLinear, cpu_auto_dtype, cpu_decoding_dtype, cpu_threads
+from inference import SamplingParams, generate
 from model import GPT, GPTConfig
 
 SHAPE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=50304, dropout=0.0)
@@ -93,7 +93,7 @@ def timed(fn) -> float:
 def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
     """One decoding step's matrix-vector products and nothing else: every block's Linear layers,
     then the head, on a random vector of their input width; from nn.Linear's (out, in) layout
-    (parts None), or as SplitLinear copies in `parts` blocks of rows (inference/decoding.py)."""
+    (parts None), or as SplitLinear copies in `parts` blocks of rows (hardware/device.py)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]  # the head is last
     layers = linears if parts is None else [SplitLinear(m, parts) for m in linears]
     w = model.lm_head.weight
@@ -110,10 +110,10 @@ def decode_matmuls(model: GPT, parts: int | None) -> Callable[[], None]:
 def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
     """Print cached float32 generation's tok/s on a quiet machine and with one core kept busy by
     another process (`while True: pass`): on torch's threads throughout (as before generation's
-    trial steps, inference/decoding.py), on one thread (a decoding copy in one block, as with
+    trial steps, hardware/device.py), on one thread (a decoding copy in one block, as with
     OMP_NUM_THREADS=1), and as generation runs now (its trial steps included, its pick shown)."""
-    trials, threads, used = decoding.THREAD_TRIALS, torch.get_num_threads(), []
-    decoding.cpu_threads = lambda count: used.append(count) or cpu_threads(count)  # the picks
+    trials, threads, used = device.THREAD_TRIALS, torch.get_num_threads(), []
+    device.cpu_threads = lambda count: used.append(count) or cpu_threads(count)  # the picks
     columns = {
         f"{threads} threads (before)": (threads, 0),
         "1 thread": (1, 0),
@@ -127,7 +127,7 @@ def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
         for machine, picked in picks.items():
             spinner = subprocess.Popen(spin) if machine != "quiet" else None
             for column, (count, steps) in columns.items():
-                decoding.THREAD_TRIALS = steps
+                device.THREAD_TRIALS = steps
                 with cpu_threads(count):
                     run = timed(lambda: generate(model, prompt, n, sample, gen))
                 seconds[machine, column].append(run)
@@ -135,7 +135,7 @@ def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
             if spinner:
                 spinner.kill()
                 spinner.wait()
-    decoding.THREAD_TRIALS, decoding.cpu_threads = trials, cpu_threads
+    device.THREAD_TRIALS, device.cpu_threads = trials, cpu_threads
     head(f"KV cache (float32) tok/s | {' | '.join(columns)} | picked", "lrrrl")
     for machine, picked in picks.items():
         tok_s = [f"{statistics.median(n / t for t in seconds[machine, c]):,.1f}" for c in columns]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference.decoding import decodes_from_a_copy, decoding_copy
+from hardware.device import decodes_from_a_copy, decoding_copy
 from inference.generate import SamplingParams, TextStream, next_token, window_start
 from model import GPT
 

@@ -19,9 +19,8 @@ import torch
 from base.errors import check, is_int, user_errors
 from base.files import read_utf8
 from checkpoints.store import find_checkpoint, load_source
-from hardware.device import resolve_device
+from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
-from inference.decoding import decoding_dtype
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
 from model import GPT
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from base.errors import check, is_int, is_number
-from inference.decoding import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
+from hardware.device import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
 
 # ----- logit filters -----------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class TokenContext:
         if vocab_size is not None and vocab_size < model.config.vocab_size:
             self.padding = torch.arange(model.config.vocab_size, device=idx.device) >= vocab_size
         # On a CPU, a token's matrix-vector products stream the weights faster from the layout
-        # of inference/decoding.py, in a copy of the model's Linear layers
+        # of hardware/device.py, in a copy of the model's Linear layers
         self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
         # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
         # FSDP's hooks need version counters, so its sharded models decode under no_grad
@@ -219,7 +219,7 @@ def stream_tokens(
     should be in eval mode (dropout would make the samples noisier, not wrong). `vocab_size`:
     the tokenizer's, when the model's vocabulary is padded past it (never drawn). The tokens are
     inference tensors: clone one to change it in place. Each step runs on the CPU thread count
-    `ThreadChoice` picks (inference/decoding.py), and gives torch its count back before yielding.
+    `ThreadChoice` picks (hardware/device.py), and gives torch its count back before yielding.
     """
     params = params or SamplingParams()
     context = TokenContext(model, idx, use_cache, vocab_size)

@@ -38,10 +38,9 @@ from starlette.requests import ClientDisconnect
 
 from base.errors import check, is_int, user_errors
 from checkpoints.store import find_checkpoint, load_source
-from hardware.device import resolve_device
+from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job
-from inference.decoding import decoding_dtype
 from inference.generate import SamplingParams, TextStream
 from model import GPT
 

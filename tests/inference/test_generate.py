@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import decoding
-from inference.decoding import THREAD_TRIALS, cpu_threads
+from hardware import device
+from hardware.device import THREAD_TRIALS, cpu_threads
 from inference.generate import (
     SamplingParams,
     TokenContext,
@@ -178,7 +178,7 @@ def test_generation_decodes_on_the_thread_count_measured_faster_with_the_same_lo
         return steps[-1][1]
 
     monkeypatch.setattr(TokenContext, "logits", spy)
-    monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(device, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     trials, runs = 1 + 2 * THREAD_TRIALS, {}  # the prompt's step, then the trial steps
     with cpu_threads(2):  # a decoding copy in 2 blocks
         for slow in (2, 1):

@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from evals.tasks import load_task, score_task
 from hardware import distributed
+from hardware.device import decodes_from_a_copy
 from hardware.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
 from inference import SamplingParams, generate
-from inference.decoding import decodes_from_a_copy
 from model import GPT
 from tests.conftest import CPU, GPT2, local_task, model_for, tiny_config
 

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from hardware import device
-from inference import decoding
-from inference.decoding import SplitLinear, decodes_from_a_copy, decoding_copy
+from hardware.device import SplitLinear, decodes_from_a_copy, decoding_copy
 from model import GPT
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
@@ -114,12 +113,12 @@ def probes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[di
         return measure
 
     monkeypatch.setattr(device, "bf16_speedup", stub("training"))
-    monkeypatch.setattr(decoding, "bf16_decoding_speedup", stub("decoding"))
+    monkeypatch.setattr(device, "bf16_decoding_speedup", stub("decoding"))
     device.cpu_auto_dtype.cache_clear()
-    decoding.cpu_decoding_dtype.cache_clear()
+    device.cpu_decoding_dtype.cache_clear()
     yield answers, runs
     device.cpu_auto_dtype.cache_clear()
-    decoding.cpu_decoding_dtype.cache_clear()
+    device.cpu_decoding_dtype.cache_clear()
 
 
 CPU = torch.device("cpu")
@@ -129,29 +128,29 @@ def test_generation_stays_float32_where_bf16_decodes_slower_even_if_it_trains_fa
     answers, runs = probes
     answers.update(training=2.4, decoding=0.6)  # an AMD EPYC with AVX512-BF16, as measured
     assert device.resolve_precision(CPU, "auto").dtype == torch.bfloat16  # training's autocast
-    assert decoding.decoding_dtype("auto", CPU) == torch.float32
-    assert "0.6x" in decoding.cpu_decoding_dtype()[1]
+    assert device.decoding_dtype("auto", CPU) == torch.float32
+    assert "0.6x" in device.cpu_decoding_dtype()[1]
     assert runs == {"training": [2.4], "decoding": [0.6]}
 
 
 def test_generation_picks_bfloat16_weights_where_they_decode_clearly_faster(probes):
     answers, _ = probes
     answers.update(training=0.24, decoding=1.9)
-    assert decoding.decoding_dtype("auto", CPU) == torch.bfloat16
-    why = decoding.cpu_decoding_dtype()[1]
+    assert device.decoding_dtype("auto", CPU) == torch.bfloat16
+    why = device.cpu_decoding_dtype()[1]
     assert "1.9x" in why and "picked" in why
     # an explicit dtype is never second-guessed
-    assert decoding.decoding_dtype("float32", CPU) == torch.float32
+    assert device.decoding_dtype("float32", CPU) == torch.float32
 
 
 def test_the_decoding_probe_runs_once_per_machine_beside_the_training_probe(probes, tmp_path):
     answers, runs = probes
     answers.update(training=2.4, decoding=0.6)
-    device.resolve_precision(CPU, "auto"), decoding.decoding_dtype("auto", CPU)
-    device.cpu_auto_dtype.cache_clear(), decoding.cpu_decoding_dtype.cache_clear()  # a new process
+    device.resolve_precision(CPU, "auto"), device.decoding_dtype("auto", CPU)
+    device.cpu_auto_dtype.cache_clear(), device.cpu_decoding_dtype.cache_clear()  # a new process
     answers.update(training=0.1, decoding=5.0)  # probing again would flip both decisions
     assert device.resolve_precision(CPU, "auto").dtype == torch.bfloat16
-    assert decoding.decoding_dtype("auto", CPU) == torch.float32
+    assert device.decoding_dtype("auto", CPU) == torch.float32
     assert runs == {"training": [2.4], "decoding": [0.6]}
     cached = json.loads((tmp_path / "cpu_precision.json").read_text())
     assert sorted(cached.values()) == [0.6, 2.4]
@@ -161,9 +160,9 @@ def test_the_decoding_probe_runs_once_per_machine_beside_the_training_probe(prob
 def test_the_environment_pin_decides_generation_too(probes, monkeypatch):
     _, runs = probes
     monkeypatch.setenv(device.AUTO_DTYPE_ENV, "bfloat16")
-    assert decoding.decoding_dtype("auto", CPU) == torch.bfloat16
+    assert device.decoding_dtype("auto", CPU) == torch.bfloat16
     assert runs == {"training": [], "decoding": []}
 
 
 def test_the_real_decoding_probe_measures_a_positive_ratio():
-    assert decoding.bf16_decoding_speedup((64, 256), repeats=1) > 0
+    assert device.bf16_decoding_speedup((64, 256), repeats=1) > 0
