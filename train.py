@@ -14,7 +14,7 @@ def main(cfg: DictConfig) -> None:
     # torch and the trainer load.
     from checkpoints.store import CheckpointError
     from hardware.distributed import DistInfo
-    from trainer.cli import removed_if_failed, run_config, write_run_files
+    from trainer.config import removed_if_failed, run_config, write_run_files
     from trainer.loop import Trainer, TrainingError, TrainingInterrupted
     from trainer.preflight import acquire_run_lock
 

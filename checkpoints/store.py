@@ -565,7 +565,7 @@ RUNTIME_KEYS = ("dropout", "attention", "flash_block_q", "flash_block_k")
 
 def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData) -> GPT:
     """The model of `source` with this run's run-time fields. `requested`: the model keys the
-    run sets (see trainer/cli.py); any other one that differs from the source's is an error
+    run sets (see trainer/config.py); any other one that differs from the source's is an error
     naming it, as is a tokenizer other than the one the source was trained with."""
     runtime = {k: requested[k] for k in RUNTIME_KEYS if k in requested}
     ckpt = load_source(source, **runtime)

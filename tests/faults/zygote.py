@@ -39,7 +39,7 @@ import hydra  # noqa: E402, F401
 import torch._dynamo  # noqa: E402, F401 - the first optimizer step imports it: a second or more
 
 import checkpoints.store  # noqa: E402
-import trainer.cli  # noqa: E402, F401
+import trainer.config  # noqa: E402, F401
 import trainer.loop  # noqa: E402
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

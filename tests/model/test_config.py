@@ -66,7 +66,7 @@ from tests.conftest import tiny_config
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
-    """One ValueError, on one line (trainer/cli.py prints it as `error: <message>`)."""
+    """One ValueError, on one line (trainer/config.py prints it as `error: <message>`)."""
     with pytest.raises(ValueError, match=rf"model\.{field}") as error:
         tiny_config(**overrides)
     assert "\n" not in str(error.value)

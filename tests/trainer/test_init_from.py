@@ -19,8 +19,7 @@ from data.tokenizer import get_tokenizer
 from evals.loss import evaluate_checkpoint
 from inference.cli import run as sample
 from tests.conftest import CONFIGS, TINY, compose_run, run_script
-from trainer.cli import requested_model
-from trainer.config import RunConfig
+from trainer.config import RunConfig, requested_model
 from trainer.loop import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +29,7 @@ TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n\nÉtienne 
 
 def init_trainer(run_dir, corpus, source, *overrides, model=None):
     """A Trainer of the TINY run started from `source`; `model`: the requested model keys (as
-    trainer/cli.py passes them; default: the run-time ones only)."""
+    trainer/config.py passes them; default: the run-time ones only)."""
     settings, resolved = compose_run(corpus, f"train.init_from={source}", *overrides)
     resolved["model"] = model or {"block_size": 32, "dropout": 0.0, "attention": "manual"}
     return Trainer(RunConfig.from_dict(resolved), run_dir, resolved)

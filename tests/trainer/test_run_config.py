@@ -1,4 +1,4 @@
-"""A resume takes the resumed run's saved config (trainer/cli.py); only RESUMABLE keys change."""
+"""A resume takes the resumed run's saved config (trainer/config.py); only RESUMABLE keys change."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
 from model import load_preset
 from tests.conftest import CONFIGS, TINY, compose_run, make_trainer
-from trainer.cli import resumed_config, run_config, saved_config
+from trainer.config import resumed_config, run_config, saved_config
 from trainer.loop import Trainer
 
 
