@@ -199,8 +199,9 @@ def wrap_model(
     info: DistInfo,
     device: torch.device,
     compute_dtype: torch.dtype = torch.float32,
+    compile: bool = False,
 ) -> nn.Module:
-    """The module that training runs forward and backward through.
+    """The module that training steps run forward and backward through.
 
     ddp: a DistributedDataParallel wrapper (`model` stays the plain replica, for evaluation and
     checkpoints). The model has no buffers that training changes (the causal masks are
@@ -208,16 +209,20 @@ def wrap_model(
     communication buckets (no copy in and out). fsdp: FSDP2 shards each block, then the rest,
     in place: `model` itself becomes the sharded module, its parameters DTensors; build the
     optimizer after this. With a bfloat16/float16 `compute_dtype` the parameters are gathered in
-    it (half the all-gather traffic) and gradients reduced in float32 (torchtitan's default)."""
-    if not info.enabled:
-        return model
-    if strategy == "ddp":
-        return DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            **NO_BUFFER_BROADCAST,
-        )
+    it (half the all-gather traffic) and gradients reduced in float32 (torchtitan's default).
+    compile: the whole (DDP-wrapped) model compiled, as nanoGPT does; under FSDP each block in
+    place (torchtitan's way: the all-gathers between blocks stay outside the graphs, which FSDP2
+    hooks drive)."""
+    if not info.enabled or strategy == "ddp":
+        wrapped = model
+        if info.enabled:
+            wrapped = DistributedDataParallel(
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+                **NO_BUFFER_BROADCAST,
+            )
+        return torch.compile(wrapped) if compile else wrapped
     mp_policy = fsdp.MixedPrecisionPolicy()  # float32: no casts
     if compute_dtype != torch.float32:
         mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -226,23 +231,17 @@ def wrap_model(
     fsdp.fully_shard(model, mp_policy=mp_policy)
     for method in ("hidden_states", "logits"):  # generation calls them in place of forward
         fsdp.register_fsdp_forward_method(model, method)
-    return model
-
-
-def compile_model(model: GPT, parallel_model: nn.Module) -> nn.Module:
-    """What training steps through with compile=true. FSDP: each block compiled in place
-    (torchtitan's way: the all-gathers between blocks stay outside the graphs, which FSDP2
-    hooks drive); otherwise the whole (DDP-wrapped) model, as nanoGPT does."""
-    if isinstance(model, fsdp.FSDPModule):
+    if compile:
         for block in model.transformer.h:
             block.compile()
-        return model
-    return torch.compile(parallel_model)
+    return model
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Gradient accumulation without needless communication: the forward and backward of every
-    micro-batch but the last accumulate locally (enabled=False); the last one reduces."""
+    micro-batch but the last accumulate locally (enabled=False); the last one reduces. `model`:
+    what wrap_model returned (a compiled module's wrapper is its `_orig_mod`)."""
+    model = getattr(model, "_orig_mod", model)
     if isinstance(model, fsdp.FSDPModule):
         model.set_requires_gradient_sync(enabled)
     if isinstance(model, DistributedDataParallel) and not enabled:

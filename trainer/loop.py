@@ -35,7 +35,6 @@ from hardware.distributed import (
     all_reduce_max,
     check_visible,
     clip_grad_norm,
-    compile_model,
     destroy,
     from_main,
     gradient_sync,
@@ -173,6 +172,7 @@ class Trainer:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
         self.run_dir = Path(from_main(str(run_dir)))
+        self.progress = Progress(cfg.train.max_steps, enabled=self.dist.is_main)
         # 2. The data (rank 0 alone verifies every byte), so that its mistakes are reported
         # first; then the model it sizes, proved causal (_new_model).
         self.data = run_on_main(lambda: prepare_data(cfg.data))
@@ -199,18 +199,19 @@ class Trainer:
             self.data,
             train.keep_checkpoints,
             self.dist,
-            say=lambda text: self.progress.message(text),  # the bar exists before any save
+            say=self.progress.message,
         )
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self.checkpoints.resume_checkpoint(cfg.train.resume, self.model.config)
         if resume_from is not None:
             self.model.load_state_dict(resume_from.model.state_dict())
-        self.parallel_model = wrap_model(
-            self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype
-        )
-        self.step_model = (  # what the step runs through: compiled, or the parallel model
-            compile_model(self.model, self.parallel_model) if cfg.compile else self.parallel_model
-        )
+        # Two handles on one model: `model`, the plain one (evaluation, checkpoints, clipping),
+        # and `step_model`, what training steps run through (DDP-wrapped or FSDP-sharded,
+        # compiled with compile=true; the model itself on one process without compile).
+        self.step_model = wrap_model(
+            self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype,
+            compile=cfg.compile,
+        )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = (
             torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
@@ -259,7 +260,6 @@ class Trainer:
             self.tracker.run is not None
         )
         self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
-        self.progress = Progress(cfg.train.max_steps, self.state.step, enabled=self.dist.is_main)
 
     def _new_model(self, shards: int) -> GPT:
         """The model on the device: train.init_from's pretrained weights (the source fixes the
@@ -345,7 +345,7 @@ class Trainer:
         for i in range(accum):
             x, y = self.sampler.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with gradient_sync(self.parallel_model, enabled=i == accum - 1):
+            with gradient_sync(self.step_model, enabled=i == accum - 1):
                 with self.precision.autocast():
                     _, loss = self.step_model(x, y)
                 loss = loss / accum
@@ -408,7 +408,7 @@ class Trainer:
             if isinstance(self.sampler, PrefetchingSampler):
                 self.sampler.close()
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
-            self.parallel_model = self.step_model = self.model
+            self.step_model = self.model
             destroy()
         self._report(summary)
         return summary
@@ -450,7 +450,7 @@ class Trainer:
                 self._interrupted(signum)
 
     def _announce(self) -> None:
-        """What is about to be trained, on what, for how long, and where it goes."""
+        """What is about to be trained, on what, for how long, and where it goes; then the bar."""
         world = self.dist.world_size
         ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
         self.progress.message(
@@ -464,6 +464,7 @@ class Trainer:
         )
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+        self.progress.start(self.state.step)
 
     def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a

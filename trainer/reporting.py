@@ -56,11 +56,13 @@ def format_bytes(n: float) -> str:
 class Progress:
     """Shows training progress; `enabled=False` (non-zero ranks) prints nothing."""
 
-    def __init__(self, total: int | None, initial: int, enabled: bool = True):
-        self.enabled = enabled
-        self.bar = None
-        if enabled and sys.stdout.isatty():
-            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
+    def __init__(self, total: int | None, enabled: bool = True):
+        self.total, self.enabled = total, enabled
+        self.bar = None  # from `start` on, on a terminal; messages before it are plain lines
+
+    def start(self, step: int) -> None:
+        if self.enabled and sys.stdout.isatty():
+            self.bar = tqdm(total=self.total, initial=step, dynamic_ncols=True, unit="step")
 
     def update(self, step: int, values: dict[str, float], eta_seconds: float) -> None:
         eta = f"eta {format_seconds(eta_seconds)}"

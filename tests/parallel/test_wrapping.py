@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from evals.tasks import load_task, score_task
 from hardware import distributed
 from hardware.device import decodes_from_a_copy
-from hardware.distributed import DistInfo, barrier, compile_model, run_on_main, wrap_model
+from hardware.distributed import DistInfo, barrier, run_on_main, wrap_model
 from inference import SamplingParams, generate
 from model import GPT
 from tests.conftest import CPU, GPT2, local_task, model_for, tiny_config
@@ -71,8 +71,8 @@ def test_an_fsdp_model_scores_a_task_as_the_plain_model(group, tmp_path):
 def test_fsdp_compiles_each_block_not_the_sharded_whole(group, monkeypatch):
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compiled.append(self))
-    model = wrap_model(GPT(tiny_config()), "fsdp", TWO_RANKS, torch.device("cpu"))
-    assert compile_model(model, model) is model
+    model = GPT(tiny_config())
+    assert wrap_model(model, "fsdp", TWO_RANKS, torch.device("cpu"), compile=True) is model
     assert compiled == list(model.transformer.h)
 
 
