@@ -188,26 +188,28 @@ def peak_flops(precision: Precision) -> tuple[float | None, str]:
                 return table[dtype], f"{name} datasheet"
         return None, f"unknown GPU {name!r}: no MFU"
     if device.type == "cpu":
-        # The best of float32 and the autocast dtype: autocast keeps part of the model in
-        # float32, and a CPU without native bfloat16 (no AVX512-BF16 or AMX) emulates it far
-        # below its float32 rate, which alone would put MFU above 100%.
-        peak = max(measured_cpu_matmul_flops(torch.float32), measured_cpu_matmul_flops(dtype))
+        # float32's measured rate, times what bfloat16 matmuls gain on this CPU where they gain
+        # (AVX512-BF16, AMX): the same probe that picks dtype=auto, so MFU and the dtype choice
+        # agree. Never below float32's: autocast keeps part of the model in float32, and a CPU
+        # without native bfloat16 emulates it far below its float32 rate (MFU above 100%).
+        peak = measured_cpu_matmul_flops()
+        if dtype == torch.bfloat16:
+            peak *= max(1.0, measured_once("matmuls", bf16_speedup))
         return peak, "measured CPU matmul peak"
     return None, f"no peak figure for {device.type}: no MFU"
 
 
-def measured_cpu_matmul_flops(dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul on this CPU (best of a few runs, ~0.2 s in float32; an
-    emulated bfloat16 is ~100x slower, hence a smaller matrix for other dtypes), measured once
-    per machine (`measured_once`)."""
+def measured_cpu_matmul_flops() -> float:
+    """float32 FLOP/s of a large square matmul on this CPU (best of a few runs, ~0.2 s),
+    measured once per machine (`measured_once`)."""
 
     def measure() -> float:
-        n = 1024 if dtype == torch.float32 else 512
+        n = 1024
         generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
-        a, b = torch.randn(2, n, n, dtype=dtype, generator=generator)
+        a, b = torch.randn(2, n, n, generator=generator)
         return 2 * n**3 / fastest(lambda: a @ b, 5)
 
-    return measured_once(f"{dtype} matmul FLOP/s", measure)
+    return measured_once(f"{torch.float32} matmul FLOP/s", measure)
 
 
 def cpuinfo() -> dict[str, str]:

@@ -75,14 +75,21 @@ def test_other_devices_give_no_mfu():
     assert flops is None and "no MFU" in source
 
 
-def test_the_cpu_bfloat16_figure_is_never_below_float32s(monkeypatch):
+def test_the_cpu_bfloat16_peak_is_float32s_times_the_probed_gain_never_below(
+    monkeypatch, tmp_path
+):
     """Autocast keeps part of the model in float32, and a CPU without native bfloat16 emulates
-    it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU."""
-    rates = {torch.float32: 1e11, BF16: 1e9}
-    monkeypatch.setattr(device_module, "measured_cpu_matmul_flops", lambda dtype: rates[dtype])
+    it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU. A native
+    one gains what the dtype probe measured: a bfloat16 matmul peak of its own (a smaller
+    matrix) put MFU above 100% on an AVX512-BF16 CPU whose probe measured 2.1x."""
+    monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(device_module, "measured_cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda: 0.01)  # emulated
     assert peak_flops(Precision(CPU, BF16))[0] == 1e11
-    rates[BF16] = 4e11  # a CPU with AMX: bfloat16 is the faster one
-    assert peak_flops(Precision(CPU, BF16))[0] == 4e11
+    (tmp_path / "cpu_precision.json").unlink()  # a new machine: probed again
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda: 2.1)  # AVX512-BF16
+    assert peak_flops(Precision(CPU, BF16))[0] == pytest.approx(2.1e11)
+    assert peak_flops(Precision(CPU, FP32))[0] == 1e11
 
 
 def test_the_cpu_peak_is_measured_once_per_machine_and_then_read_from_the_cache(
