@@ -50,7 +50,7 @@ from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
 from trainer.checkpointing import CheckpointManager, FunctionState
 from trainer.config import RunConfig
-from trainer.optim import build_optimizer, lr_scale, set_lr
+from trainer.optim import build_optimizer, lr_scale, set_lr, warmup_drop
 from trainer.preflight import causality_guard, check_memory
 from trainer.reporting import MetricsLog, Progress, Tracker, format_seconds
 
@@ -429,6 +429,10 @@ class Trainer:
             state.step += 1
             timed_steps += 1
             state.elapsed = clock()
+            if state.step == self.cfg.optim.warmup_steps and cfg.max_seconds:
+                fraction = self.budget.time_fraction(state.elapsed)
+                if warning := warmup_drop(self.cfg.optim, cfg.max_steps, fraction):
+                    self.progress.message(warning)
             logged = state.step % cfg.log_interval == 0 or state.step == max_steps
             if state.step == first_step + 1 and not logged:  # compiling is not training speed
                 timed_from, timed_steps = time.perf_counter(), 0

@@ -75,9 +75,7 @@ def test_other_devices_give_no_mfu():
     assert flops is None and "no MFU" in source
 
 
-def test_the_cpu_bfloat16_peak_is_float32s_times_the_probed_gain_never_below(
-    monkeypatch, tmp_path
-):
+def test_the_cpu_bfloat16_peak_is_float32s_times_the_probed_gain_never_below(monkeypatch, tmp_path):
     """Autocast keeps part of the model in float32, and a CPU without native bfloat16 emulates
     it ~100x below its float32 rate: a bf16-only peak put MFU at 272% on such a CPU. A native
     one gains what the dtype probe measured: a bfloat16 matmul peak of its own (a smaller

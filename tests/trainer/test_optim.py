@@ -10,9 +10,9 @@ import torch
 
 from hardware.distributed import load_optimizer_state
 from model import GPT
-from tests.conftest import compose_run, tiny_config
+from tests.conftest import compose_run, make_trainer, tiny_config
 from trainer.config import ConfigError, OptimSettings
-from trainer.loop import Trainer
+from trainer.loop import Budget, Trainer
 from trainer.optim import (
     Muon,
     build_optimizer,
@@ -20,6 +20,7 @@ from trainer.optim import (
     lr_scale,
     param_groups,
     set_lr,
+    warmup_drop,
     zeropower_via_newtonschulz5,
 )
 
@@ -397,3 +398,34 @@ def test_muon_under_fsdp_is_refused_at_startup(monkeypatch):
     settings, resolved = compose_run([], "optim=muon", "parallel.strategy=fsdp")
     with pytest.raises(ConfigError, match="^optim.name=muon is not supported with .*fsdp"):
         Trainer(settings, "unused", resolved)
+
+
+def test_a_warmup_that_took_most_of_the_time_budget_is_warned_of():
+    """The cosine goes on from where the clock is: a warmup that took 90% of train.max_seconds
+    hands over at a tenth of the peak, which a user would not expect without a word."""
+    settings = OptimSettings(lr=6e-4, min_lr=6e-5, warmup_steps=100)
+    assert warmup_drop(settings, None, 0.1) is None  # 0.98 of the peak: no cliff
+    warning = warmup_drop(settings, None, 0.9)
+    assert "optim.warmup_steps=100" in warning and "90% of train.max_seconds" in warning
+    assert "falls from 0.0006 to 7.32e-05" in warning  # 6e-5 + 0.5 (1 + cos 0.9 pi) 5.4e-4
+    assert warmup_drop(OptimSettings(schedule="constant", warmup_steps=100), None, 0.9) is None
+
+
+class LateClock(Budget):
+    """A time budget 90% spent from the first step on, never over: the clock, injected."""
+
+    def time_fraction(self, elapsed: float) -> float:
+        return 0.9
+
+    def spent(self, elapsed: float) -> bool:
+        return False
+
+
+def test_the_loop_warns_at_the_step_warmup_ends(tmp_path, corpus, capsys):
+    trainer = make_trainer(tmp_path, corpus, "train.max_seconds=1000", "optim.warmup_steps=3")
+    trainer.budget = LateClock(trainer.cfg.train.max_steps, 1000)
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
+    warned = [i for i, line in enumerate(lines) if line.startswith("warning: warmup")]
+    # after the last warmup step (step 3, logged after it), before the first step at the drop
+    assert len(warned) == 1 and lines[warned[0] + 1].startswith("step 3 |")
