@@ -90,16 +90,18 @@ def test_the_cpu_bfloat16_peak_is_float32s_times_the_probed_gain_never_below(mon
     assert peak_flops(Precision(CPU, FP32))[0] == 1e11
 
 
-def test_the_cpu_peak_is_measured_once_per_machine_and_then_read_from_the_cache(
-    monkeypatch, tmp_path
-):
+def test_the_cpu_peak_is_the_highest_measured_and_kept_in_the_cache(monkeypatch, tmp_path):
+    """A peak measured on a busy machine reads low: measured once and cached, 67 GFLOP/s stood
+    on a 2-core AMD EPYC whose quiet 1024 x 1024 matmul runs at ~200, and bench_train showed
+    MFU 137%. Each run measures again (~0.1 s) and the cache keeps the highest."""
     monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
-    timings = iter([0.5, 0.25])  # a second measurement (a new process) would double the peak
+    timings = iter([0.5, 0.25, 1.0])  # busy, quiet, busy again
     monkeypatch.setattr(device_module, "fastest", lambda run, repeats: next(timings))
     assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.5
-    assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.5
+    assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.25  # raised
+    assert peak_flops(Precision(CPU, FP32))[0] == 2 * 1024**3 / 0.25  # never lowered
     cached = json.loads((tmp_path / "cpu_precision.json").read_text())
-    assert list(cached.values()) == [2 * 1024**3 / 0.5]
+    assert list(cached.values()) == [2 * 1024**3 / 0.25]
     assert next(iter(cached)).endswith("| torch.float32 matmul FLOP/s")
 
 
