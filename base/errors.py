@@ -26,7 +26,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn, TypeVar
-from unittest import mock
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # what every entry point composes
 T = TypeVar("T")
@@ -113,6 +112,7 @@ def choice(key: str, value: Any, choices: Sequence[str]) -> str:
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], None]]:
     """`@hydra.main(config_path="configs", config_name=...)` for the scripts in the repository
     root; `-m`, `--cfg`, `--help` and every other Hydra flag work as with hydra.main."""
+    from unittest import mock  # here, with Hydra: what the entry points alone need
 
     import hydra
     from hydra.errors import HydraException
