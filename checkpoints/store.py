@@ -510,10 +510,8 @@ def resume_source(resume: str | None, run_dir: str | Path) -> Path | None:
 # which is what `evaluate.py checkpoint=gpt2` scores.
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "pytorch_model.bin",
-)  # a HF directory's, in order of preference
+# A Hugging Face directory's weights, in order of preference
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 ACCEPTED = (
     f"a GPT-2 name ({', '.join(GPT2_NAMES)}), a Hugging Face GPT-2 directory (config.json + "
     f"{' or '.join(WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
@@ -532,7 +530,7 @@ def is_hf_dir(path: Path) -> bool:
 def load_source(
     source: str | Path, device: str | torch.device = "cpu", **overrides: Any
 ) -> Checkpoint:
-    """Load any model source (see the module docstring) on `device`; overrides: run-time
+    """Load any model source (see the comment above) on `device`; overrides: run-time
     GPTConfig fields (dropout, attention)."""
     name = str(source)
     if name in GPT2_NAMES and not Path(name).exists():
