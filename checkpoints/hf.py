@@ -4,6 +4,8 @@ each GPTConfig field is in transformers' GPT-2 and Llama, for this import and fo
 Our module names follow GPT-2's, so the only differences are HF's `Conv1D` layers, which store
 weights as (in, out) and must be transposed, and buffers (`attn.bias`, `attn.masked_bias`) that
 we do not keep. Works offline from a state dict, a safetensors file, or a model directory.
+The end of this file: a GPT-2 name (downloaded once through the hub client) or a HF directory as
+a `Checkpoint`, which store.load_source imports only for such a source.
 """
 
 from __future__ import annotations
@@ -264,7 +266,7 @@ def _config_from_shapes(
     return config
 
 
-# ----- Hugging Face directories and GPT-2 names as model sources (store.load_source) -----
+# ----- Hugging Face directories and GPT-2 names as model sources (store.load_source) --------------
 
 HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
 
