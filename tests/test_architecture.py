@@ -8,6 +8,9 @@ points (train.py, sample.py, evaluate.py) and benchmarks/ stand on top.
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +144,19 @@ def test_a_package_without_a_floor_is_reported():
     assert upward_imports({"plugins/x.py": "import torch"}) == [
         "plugins/x.py: package plugins/ has no floor; add it to FLOORS"
     ]
+
+
+def test_the_line_accounting_names_only_code_that_exists():
+    """benchmarks/bench_lines.py (docs/architecture.md's table) runs, every feature it names
+    holds code, and its rows add up to its total: a renamed or deleted function fails here
+    rather than leaving a stale row."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_lines.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    counts = [
+        int(n.replace(",", "")) for n in re.findall(r"\| \**([\d,]+)\** \|$", done.stdout, re.M)
+    ]
+    *rows, total = counts
+    assert len(rows) > 10 and all(n > 0 for n in rows)
+    assert sum(rows) == total
