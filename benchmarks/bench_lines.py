@@ -57,7 +57,7 @@ FEATURES = {
         ("checkpoints/store.py", ["MAX_JSON_BYTES", "FLOAT_DTYPES", "TensorInfo"]),
         ("checkpoints/store.py", ["read_safetensors_header", "stored_shapes"]),
         ("checkpoints/store.py", ["check_config_against_weights", "_KEYS", "verify_checkpoint"]),
-        ("checkpoints/store.py", ["_read_json", "_inside"]),
+        ("checkpoints/store.py", ["_json_object", "_inside"]),
     ],
     "tiled FlashAttention (attention: flash)": [("model/flash_attention.py", None)],
     "memory estimate before allocating": [

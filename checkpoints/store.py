@@ -289,12 +289,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     opened) and lead to a file inside `path`; every file the loader reads must be listed; every
     listed file's size and sha256 must match."""
     path = Path(path)
-    if not is_complete(path):
-        raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
-    manifest_file = _inside(path, MANIFEST_FILE)
-    manifest = _read_json(manifest_file)
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{manifest_file} is corrupt: not a JSON object")
+    manifest_file, manifest = _json_object(path, MANIFEST_FILE)
     for name, entry in manifest.items():
         if name in ("", ".", "..") or set(name) & set("/\\\0"):
             raise CheckpointError(
@@ -336,13 +331,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     the values the loader reads from "run" and "meta" of the right type (the "model" fields:
     GPTConfig checks them). Read without hashing the weights: for what a run needs to know
     before it loads (a resume's config, `best`'s loss); `load_checkpoint` verifies every file."""
-    path = Path(path)
-    if not is_complete(path):
-        raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
-    file = _inside(path, CONFIG_FILE)
-    config = _read_json(file)
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: not a JSON object")
+    file, config = _json_object(Path(path), CONFIG_FILE)
     if unknown := sorted(set(config) - {"model", "run", "meta"}):
         raise CheckpointError(f"{file}: unknown key(s) {unknown}; known: model, run, meta")
     for key in ("model", "run", "meta"):
@@ -356,14 +345,21 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def _read_json(file: Path) -> Any:
-    """A JSON file; anything else is a CheckpointError naming it."""
+def _json_object(path: Path, name: str) -> tuple[Path, dict[str, Any]]:
+    """(the file, its JSON object) of a complete checkpoint's `name`; anything else is a
+    CheckpointError naming the file."""
+    if not is_complete(path):
+        raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
+    file = _inside(path, name)
     if file.stat().st_size > MAX_JSON_BYTES:  # an untrusted checkpoint cannot make us read GBs
         raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        value = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{file} is corrupt: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} is corrupt: not a JSON object")
+    return file, value
 
 
 def _inside(path: Path, name: str) -> Path:
