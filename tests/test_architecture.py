@@ -160,3 +160,18 @@ def test_the_line_accounting_names_only_code_that_exists():
     *rows, total = counts
     assert len(rows) > 10 and all(n > 0 for n in rows)
     assert sum(rows) == total
+
+
+def drawn_floors(text: str) -> dict[str, int]:
+    """The floors docs/architecture.md draws: `<n>  pkg/  pkg/  ...` lines, package -> n."""
+    return {
+        name: int(floor)
+        for floor, rest in re.findall(r"^(\d)  (.*)$", text, re.M)
+        for name in re.findall(r"\b(\w+)/(?=\s|$)", rest)
+    }
+
+
+def test_the_drawn_floors_are_the_enforced_ones():
+    drawn = drawn_floors((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert drawn == {k: v for k, v in FLOORS.items() if k != TOP} | {"benchmarks": FLOORS[TOP]}
+    assert drawn_floors("2  checkpoints/  hardware/   text\n") == {"checkpoints": 2, "hardware": 2}
