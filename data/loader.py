@@ -27,15 +27,6 @@ from base.errors import DataError
 # ----- training and evaluation batches -----------------------------------------------------------
 
 
-def _check_length(tokens: np.ndarray, block_size: int) -> None:
-    """block_size itself is checked by GPTConfig, which every run's model goes through."""
-    if len(tokens) < block_size + 1:
-        raise DataError(
-            f"split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
-            "use a smaller block_size or more data"
-        )
-
-
 def _windows(
     tokens: np.ndarray, starts: np.ndarray, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +52,13 @@ class BatchSampler:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        _check_length(tokens, block_size)
         self.n_windows = len(tokens) - block_size
         if self.n_windows < world_size * batch_size:
             raise DataError(
-                f"split has {self.n_windows} distinct windows of {block_size + 1} tokens, fewer "
-                f"than world_size * batch_size = {world_size * batch_size}; use less of either"
+                f"the train split has {len(tokens):,} tokens: {max(self.n_windows, 0):,} "
+                f"windows of model.block_size + 1 = {block_size + 1}, fewer than the "
+                f"{world_size * batch_size} a step draws (train.batch_size per rank); use a "
+                "smaller model.block_size or train.batch_size, or more training data"
             )
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -109,13 +101,13 @@ def iter_eval_batches(
     Windows are dealt round-robin to ranks; sum ``loss * y.numel()`` over batches and ranks.
 
     With ``max_windows`` (per rank), only a fixed, evenly spaced subset of full windows is used
-    (the same every call), for cheap periodic evals.
+    (the same every call), for cheap periodic evals; a split shorter than one window is its own
+    subset.
     """
-    _check_length(tokens, block_size)
     n_full = (len(tokens) - 1) // block_size
     starts = np.arange(n_full) * block_size
     tail = len(tokens) - 1 - n_full * block_size
-    if max_windows is not None:
+    if max_windows is not None and n_full:
         wanted = min(n_full, max_windows * world_size)
         starts = starts[np.linspace(0, n_full - 1, wanted).round().astype(np.int64)]
         tail = 0

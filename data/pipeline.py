@@ -268,10 +268,6 @@ class PreparedData:
         """The tokenizer the token files were written with."""
         return load_tokenizer(self.tokenizer_name, self.dir)
 
-    def bytes_per_token(self, split: str) -> float:
-        """UTF-8 bytes per token, to convert a loss in nats/token into bits per byte."""
-        return self.meta["splits"][split]["bytes"] / self.meta["splits"][split]["tokens"]
-
 
 def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
     tokenizer = cfg["tokenizer"]

@@ -96,7 +96,7 @@ def sliding_windows(
 def evaluate(
     model: GPT,
     tokens: np.ndarray,
-    bytes_per_token: float,
+    nbytes: int,
     batch_size: int,
     precision: Precision,
     max_batches: int | None = None,
@@ -105,7 +105,9 @@ def evaluate(
     world_size: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
-    """Loss over `tokens` in windows of block_size: by default non-overlapping windows (see
+    """Loss and bits per byte over `tokens`, the encoding of `nbytes` UTF-8 bytes that starts
+    with an <|endoftext|> (no bytes: every other token is predicted, and they span the bytes),
+    in windows of block_size: by default non-overlapping windows (see
     `data.iter_eval_batches`) over the whole split, or with max_batches the same evenly spaced
     subset on every call, so successive periodic evaluations are comparable. With `stride`,
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
@@ -138,7 +140,7 @@ def evaluate(
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
     return EvalResult(
         loss=mean,
-        bpb=bits_per_byte(mean, scored, scored * bytes_per_token),
+        bpb=bits_per_byte(mean, scored, scored * nbytes / (len(tokens) - 1)),
         tokens=int(scored),
         stderr=math.sqrt(max(variance, 0.0) / n),
     )
@@ -166,6 +168,8 @@ def evaluate_checkpoint(
         text = read_utf8(file, "text_file")
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(text.encode("utf-8"))
+        if nbytes == 0:
+            raise DataError(f"text_file {file} is empty: there is nothing to score")
     else:
         if "data" not in ckpt.run_config:
             raise DataError(
@@ -185,10 +189,9 @@ def evaluate_checkpoint(
     check("stride", stride, ok, "null or an integer in [1, block_size]")
     method = f"sliding windows, stride {stride}" if stride else "non-overlapping windows"
     say(f"{source}: {len(tokens) - 1:,} tokens, {nbytes:,} bytes, {method} of {block_size}")
-    # Every token but the first is predicted, and together they span all the bytes.
     with Counter(len(tokens) - 1, "token") as counter:
         result = evaluate(
-            ckpt.model, tokens, nbytes / (len(tokens) - 1), cfg["batch_size"], precision,
+            ckpt.model, tokens, nbytes, cfg["batch_size"], precision,
             stride=stride, progress=counter,
         )  # fmt: skip
     return {

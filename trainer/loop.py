@@ -320,7 +320,7 @@ class Trainer:
             return evaluate(
                 self.model,
                 tokens,
-                self.data.bytes_per_token("val"),
+                self.data.meta["splits"]["val"]["bytes"],
                 self.cfg.train.batch_size,
                 self.precision,
                 max_batches=None if whole_split else self.cfg.train.eval_steps,

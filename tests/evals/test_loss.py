@@ -15,6 +15,7 @@ from evals.loss import evaluate, sliding_windows
 from hardware.device import Precision
 from model import GPT
 from tests.conftest import run_script, tiny_config
+from trainer.reporting import METRICS_FILE, read_metrics
 
 CPU = Precision(torch.device("cpu"), torch.float32)
 
@@ -34,7 +35,7 @@ def test_loss_is_the_mean_over_every_token_and_bpb_follows():
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()
     tokens = np.random.default_rng(0).integers(0, 101, 70)
-    result = evaluate(model, tokens, bytes_per_token=2.5, batch_size=2, precision=CPU)
+    result = evaluate(model, tokens, nbytes=2 * 69, batch_size=2, precision=CPU)
     with torch.no_grad():
         losses = []
         for start in range(0, 69, 16):  # non-overlapping windows, the last one short
@@ -44,7 +45,21 @@ def test_loss_is_the_mean_over_every_token_and_bpb_follows():
     expected = torch.cat(losses).mean().item()
     assert result.tokens == 69
     assert result.loss == pytest.approx(expected, rel=1e-6)
-    assert result.bpb == pytest.approx(expected / math.log(2) / 2.5, rel=1e-6)
+    # the first token (<|endoftext|>: no bytes) is never predicted: 69 tokens span the bytes
+    assert result.bpb == pytest.approx(expected / math.log(2) / 2, rel=1e-6)
+
+
+def test_a_split_shorter_than_one_window_is_scored_whole_and_as_a_subset():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()  # block_size 16
+    tokens = np.random.default_rng(3).integers(0, 101, 10)
+    with torch.no_grad():
+        x, y = torch.tensor(tokens[None, :-1]), torch.tensor(tokens[1:])
+        expected = F.cross_entropy(model(x)[0][0], y).item()
+    for result in (evaluate(model, tokens, 9, 4, CPU), evaluate(model, tokens, 9, 4, CPU, 1)):
+        assert result.tokens == 9
+        assert result.loss == pytest.approx(expected, rel=1e-6)
+        assert result.bpb == pytest.approx(expected / math.log(2), rel=1e-6)  # a byte a token
 
 
 def test_the_loss_is_the_same_whatever_the_windows_per_forward(monkeypatch):
@@ -53,9 +68,9 @@ def test_the_loss_is_the_same_whatever_the_windows_per_forward(monkeypatch):
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()
     tokens = np.random.default_rng(2).integers(0, 101, 97)
-    whole = evaluate(model, tokens, 1.0, 4, CPU, max_batches=1)
+    whole = evaluate(model, tokens, 96, 4, CPU, max_batches=1)
     monkeypatch.setattr(eval_loss, "MAX_LOGITS", 1)
-    assert evaluate(model, tokens, 1.0, 4, CPU, max_batches=1).loss == pytest.approx(whole.loss)
+    assert evaluate(model, tokens, 96, 4, CPU, max_batches=1).loss == pytest.approx(whole.loss)
     assert whole.tokens == 4 * 16  # max_batches counts batches of batch_size windows
 
 
@@ -63,8 +78,8 @@ def test_stride_equal_to_block_size_is_the_non_overlapping_method():
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()
     tokens = np.random.default_rng(1).integers(0, 101, 97)
-    plain = evaluate(model, tokens, 1.0, 4, CPU)
-    strided = evaluate(model, tokens, 1.0, 4, CPU, stride=16)
+    plain = evaluate(model, tokens, 96, 4, CPU)
+    strided = evaluate(model, tokens, 96, 4, CPU, stride=16)
     assert strided.tokens == plain.tokens == 96
     assert strided.loss == pytest.approx(plain.loss, rel=1e-6)
 
@@ -93,16 +108,29 @@ def test_evaluate_py_on_the_validation_split(trained_run, tmp_path):
     assert out["data"] == "text/val" and out["method"] == "sliding windows, stride 16"
 
 
+def test_evaluate_py_gives_the_runs_own_final_bits_per_byte(trained_run, tmp_path):
+    """The same number for the same checkpoint and split, whoever computes it (they once
+    differed by N / (N - 1): training divided the split's bytes by all its tokens)."""
+    result = run_script("evaluate.py", f"checkpoint={trained_run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    final = read_metrics(trained_run / METRICS_FILE)[-1]
+    assert out["loss"] == pytest.approx(final["final_val_loss"], abs=1e-5)
+    assert out["bpb"] == pytest.approx(final["final_val_bpb"], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["checkpoint=/no/such/run"], "error: no checkpoint found at /no/such/run"),
         (["text_file=bad.txt"], "error: text_file bad.txt is not UTF-8"),
         (["stride=0"], "error: stride must be"),
+        (["text_file=empty.txt"], "error: text_file empty.txt is empty"),
     ],
 )
 def test_evaluate_py_bad_input(trained_run, tmp_path, args, message):
     (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe not utf-8")
+    (tmp_path / "empty.txt").write_bytes(b"")
     if not args[0].startswith("checkpoint"):
         args.append(f"checkpoint={trained_run}")
     result = run_script("evaluate.py", *args, cwd=tmp_path)
