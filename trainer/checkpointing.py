@@ -64,6 +64,8 @@ class CheckpointManager:
 
     def __post_init__(self) -> None:
         self.dir = self.run_dir / "checkpoints"
+        # the token files' digests, which a resumed run's data must have (meta.data_sha256)
+        self.data_sha256 = {k: v["sha256"] for k, v in self.data.meta["splits"].items()}
         self.disk_reported = False  # the first full checkpoint's size is printed once
         if self.dist.is_main:  # fail now, not at the first checkpoint
             check_writable(self.dir)
@@ -85,6 +87,16 @@ class CheckpointManager:
                 f"the checkpoint at {source} was trained with another {ckpt.tokenizer_name} "
                 f"tokenizer than this run's data ({self.data.tokenizer_name} in {self.data.dir}; "
                 "a trained one changes with its training text); resume with the same data"
+            )
+        saved = ckpt.meta.get("data_sha256")  # None: a checkpoint from before it was recorded
+        if saved is not None and saved != self.data_sha256:
+            saved = saved if isinstance(saved, dict) else {}
+            changed = [s for s, digest in self.data_sha256.items() if saved.get(s) != digest]
+            raise CheckpointError(
+                f"the {' and '.join(changed)} split of this run's data ({self.data.dir}) is not "
+                f"what the checkpoint at {source} was trained on: its files changed since; a "
+                "resumed run keeps its data: restore them, or start a new run from these "
+                f"weights with train.init_from={source}"
             )
         return ckpt
 

@@ -295,6 +295,7 @@ class Trainer:
         return {
             "step": self.state.step,
             "tokenizer": self.data.tokenizer_name,
+            "data_sha256": self.checkpoints.data_sha256,
             "causality": self.causality,
             **extra,
         }

@@ -258,6 +258,21 @@ def test_resume_from_a_corrupt_checkpoint_is_a_clear_error(tmp_path, corpus):
         make_trainer(tmp_path, corpus, "train.resume=auto")
 
 
+def test_resuming_on_changed_data_is_refused(tmp_path, corpus):
+    """The same dataset config over edited files is other tokens: the sampler's position and
+    `best`'s loss would mean nothing, so the resume is refused, naming the split."""
+    files = {name: tmp_path / f"{name}.txt" for name in ("train", "val")}
+    for name, file in files.items():
+        source = next(o for o in corpus if o.startswith(f"data.{name}_files="))
+        file.write_text(Path(re.search(r"\[(.*)\]", source)[1]).read_text())
+    data = ["data=text", *(f"data.{n}_files=[{f}]" for n, f in files.items())]
+    data.append(f"data.cache_dir={tmp_path / 'cache'}")
+    make_trainer(tmp_path / "run", data, "train.max_steps=6", "train.final_eval=none").run()
+    files["val"].write_text(files["val"].read_text() + "Et tu, Brute?\n")
+    with pytest.raises(CheckpointError, match=r"the val split of this run's data .* changed"):
+        make_trainer(tmp_path / "run", data, "train.resume=auto")
+
+
 @pytest.mark.parametrize("where", ["loss", "gradients"])
 def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, corpus, where):
     trainer = make_trainer(tmp_path, corpus)
