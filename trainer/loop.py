@@ -58,6 +58,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
 SAMPLE_PY = Path(__file__).resolve().parents[1] / "sample.py"
 TRAIN_PY = SAMPLE_PY.with_name("train.py")
+EVALUATE_PY = SAMPLE_PY.with_name("evaluate.py")
 
 
 class TrainingError(RuntimeError):
@@ -140,6 +141,9 @@ class Budget:
 
     def spent(self, elapsed: float) -> bool:
         return self.max_seconds is not None and elapsed >= self.max_seconds
+
+    def done(self, step: int, elapsed: float) -> bool:
+        return (self.max_steps is not None and step >= self.max_steps) or self.spent(elapsed)
 
     def eta(self, step: int, elapsed: float, seconds_per_step: float) -> float:
         left = ((self.max_steps or math.inf) - step) * seconds_per_step
@@ -242,6 +246,14 @@ class Trainer:
         if resume_from is not None:
             self.checkpoints.restore(resume_from, self.stateful)
             self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
+            if self.budget.done(self.state.step, self.state.elapsed):  # its end already ran
+                raise ConfigError(
+                    f"the run resumed from {resume_from.path} has already trained "
+                    f"{self.state.step} steps ({format_seconds(self.state.elapsed)}): its "
+                    f"budget, {self.budget}, is spent; raise train.max_steps or "
+                    f"train.max_seconds to train longer, or evaluate it: "
+                    f"{shlex.join(['python', str(EVALUATE_PY), f'checkpoint={resume_from.path}'])}"
+                )
         # 5. Reporting, last: the tracker starts a wandb run, which a failure above must not
         # leave behind. Tokens/s and MFU count every rank's tokens.
         self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size

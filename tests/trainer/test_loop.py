@@ -258,6 +258,19 @@ def test_resume_from_a_corrupt_checkpoint_is_a_clear_error(tmp_path, corpus):
         make_trainer(tmp_path, corpus, "train.resume=auto")
 
 
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, corpus):
+    make_trainer(tmp_path, corpus, "train.max_steps=6").run()
+
+    def files() -> dict[Path, bytes]:
+        return {f: f.read_bytes() for f in tmp_path.rglob("*") if f.is_file()}
+
+    before = files()
+    with pytest.raises(ConfigError, match="has already trained 6 steps .* raise train.max_steps"):
+        make_trainer(tmp_path, corpus, "train.max_steps=6", "train.resume=auto")
+    assert files() == before  # no metrics row, no checkpoint, no tracker files
+    assert make_trainer(tmp_path, corpus, "train.max_steps=7", "train.resume=auto").state.step == 6
+
+
 def test_resuming_on_changed_data_is_refused(tmp_path, corpus):
     """The same dataset config over edited files is other tokens: the sampler's position and
     `best`'s loss would mean nothing, so the resume is refused, naming the split."""
