@@ -125,6 +125,23 @@ def expand_files(patterns: str | list[str] | None, key: str) -> list[Path]:
     return files
 
 
+def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The data section `cfg` with the text source's files and the cache directory absolute
+    (globs kept), as seen from the directory a run starts in: the run's saved config is resumed,
+    sampled and evaluated from anywhere. (A hub source's data_files may be the hub's own.)"""
+    cfg = dict(cfg)
+    for key in [
+        "cache_dir",
+        *(["train_files", "val_files"] if cfg.get("source") == "text" else []),
+    ]:
+        value = cfg.get(key)
+        if isinstance(value, str):
+            cfg[key] = str(Path(value).expanduser().absolute())
+        elif isinstance(value, list):
+            cfg[key] = [str(Path(str(v)).expanduser().absolute()) for v in value]
+    return cfg
+
+
 def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
     train = expand_files(cfg.get("train_files"), "train_files")
     if not train:

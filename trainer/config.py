@@ -43,6 +43,7 @@ from base.errors import (
 )
 from base.files import write_atomic
 from checkpoints.store import RUNTIME_KEYS, read_config, resume_source, writable_error
+from data.sources import absolute_paths
 from model import GPTConfig
 
 
@@ -304,6 +305,7 @@ def run_config(
     the key. So `python train.py hydra.run.dir=<dir> train.resume=auto` continues a run as it
     was started, whatever overrides that took."""
     composed = _resolved(cfg)
+    composed["data"] = absolute_paths(composed["data"])  # the saved config works from anywhere
     if composed["train"].get("init_from") is not None:  # the source fixes the rest of the model
         default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
         composed["model"] = requested_model(composed["model"], default_model, overrides)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -74,6 +76,19 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_its_hydra_config(tmp_
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(SAVED, tmp_path / ".hydra" / "config.yaml")
     assert saved_config("auto", tmp_path) == SAVED
+
+
+def test_the_run_config_holds_absolute_data_paths(tmp_path, monkeypatch):
+    """A relative data file or cache dir is made absolute against the directory the run starts
+    in, so that the printed resume command, sample.py and evaluate.py work from any other."""
+    monkeypatch.chdir(tmp_path)
+    data = ["data=text", "data.train_files=[a.txt,'texts/*.txt']", "data.val_files=b.txt"]
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        cfg = compose("train", overrides=[*TINY, *data, "data.cache_dir='~/c'"])
+    section = run_config(cfg, tmp_path / "run", [])[1]["data"]
+    assert section["train_files"] == [str(tmp_path / "a.txt"), str(tmp_path / "texts" / "*.txt")]
+    assert section["val_files"] == str(tmp_path / "b.txt")
+    assert section["cache_dir"] == str(Path.home() / "c")
 
 
 def test_a_resume_hashes_its_checkpoint_once(tmp_path, corpus, monkeypatch):
