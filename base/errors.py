@@ -141,6 +141,9 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
                     if e in raised_by_task:  # the task's own: a bug, its traceback shows
                         raise
                     exit_user_error(describe(e))
+                except KeyboardInterrupt:  # Ctrl-C before the task's own handling of it
+                    print("interrupted", file=sys.stderr)
+                    sys.exit(130)
 
         return main
 

@@ -3,9 +3,12 @@ and a train.py run that fails before it starts leaves no run directory behind.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 PRESETS = "gpt2, gpt2-large, gpt2-medium, gpt2-xl, mini, nano"
 
@@ -58,3 +61,16 @@ def test_help_lists_only_the_keys_each_script_accepts(tmp_path):
         assert "Configuration groups" not in result.stdout and "gpt2-xl" not in result.stdout
     control = run_script("train.py", "--help", cwd=tmp_path)  # train.py does take the groups
     assert f"model: {PRESETS}" in control.stdout
+
+
+def test_ctrl_c_before_a_task_handles_it_is_one_line_and_exit_130(tmp_path):
+    """A KeyboardInterrupt out of a task (train.py's start-up: preparing data, the guard) is
+    `interrupted` and exit code 130, as the shell reports a Ctrl-C; no traceback."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # Hydra reads configs/ beside a script
+    script = tmp_path / "script.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom base.errors import hydra_main\n\n"
+        "@hydra_main('sample')\ndef main(cfg):\n    raise KeyboardInterrupt\n\nmain()\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (130, "interrupted\n")
