@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError
-from base.files import recover_swap, sha256_file, write_dir_atomic
+from base.files import recover_swap, sha256_file, writable_error, write_dir_atomic
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
@@ -186,18 +185,6 @@ class Checkpoint:
         tokenizer changes with its training text, not only with its name)."""
         ours = tokenizer_fingerprint(self.tokenizer_name, self.path)
         return ours == tokenizer_fingerprint(data.tokenizer_name, data.dir)
-
-
-def writable_error(directory: str | Path) -> str | None:
-    """Why `directory` cannot be written (read-only, a path through a regular file, no
-    permission), or None when it can: made if missing, then a temporary file created in it."""
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        return "a file is in the way" if isinstance(e, FileExistsError) else str(e.strerror or e)
-    return None
 
 
 def check_writable(directory: str | Path) -> None:

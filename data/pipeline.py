@@ -44,7 +44,7 @@ import tiktoken
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import CONFIG_DIR, DataError
-from base.files import atomic_path, sha256_file, write_atomic
+from base.files import atomic_path, sha256_file, writable_error, write_atomic
 from data.sources import get_source
 from data.tokenizer import (
     TOKENIZER_FILE,
@@ -355,8 +355,13 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
         if verbose:
             seconds = time.perf_counter() - start
             print(f"{name}: reusing prepared data in {out} (verified in {seconds:.2f}s)")
-    except (FileNotFoundError, InvalidCache) as e:  # FileNotFoundError: never (fully) prepared
+    except (OSError, InvalidCache) as e:  # OSError: never (fully) prepared, or unreadable
         if isinstance(e, InvalidCache):  # said even when not verbose: the rebuild takes time
             print(f"{name}: {e}; rebuilding the prepared data from its sources", file=sys.stderr)
+        if (reason := writable_error(out.parent)) is not None:
+            raise DataError(
+                f"cannot write the prepared data to {out.parent}: {reason}; set data.cache_dir "
+                "(or $CAUSALGPT_CACHE) to a writable directory"
+            ) from None
         meta = _build(cfg, out, fp, source_fp, verbose)
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])

@@ -41,8 +41,8 @@ from base.errors import (
     positive_int,
     user_errors,
 )
-from base.files import write_atomic
-from checkpoints.store import RUNTIME_KEYS, read_config, resume_source, writable_error
+from base.files import writable_error, write_atomic
+from checkpoints.store import RUNTIME_KEYS, read_config, resume_source
 from data.sources import absolute_paths
 from model import GPTConfig
 

@@ -90,6 +90,17 @@ def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
     assert "changed" in enc.decode(second.tokens("train").tolist())
 
 
+def test_a_cache_dir_that_cannot_be_written_is_named_with_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("in the way")
+    cache = tmp_path / "file" / "cache"
+    with pytest.raises(
+        DataError,
+        match=f"cannot write the prepared data to {cache}/shakespeare: .*"
+        r"set data.cache_dir \(or \$CAUSALGPT_CACHE\) to a writable directory",
+    ):
+        prepare_data({"name": "shakespeare", "cache_dir": str(cache)}, verbose=False)
+
+
 def test_val_fraction_is_the_last_part_of_the_text_cut_at_a_line_boundary(tmp_path: Path) -> None:
     write_docs(tmp_path / "docs", n=10)
     cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs") + "/*.txt"], val_fraction=0.2)
