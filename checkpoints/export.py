@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from base.errors import ConfigError, choice
-from base.files import atomic_path, write_dir_atomic
+from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
@@ -73,13 +73,20 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
     if as_gguf:  # everything checked, and the file built in memory, before anything is written
         _architecture(ckpt.model.config, LLAMA_CPP)
         writer = gguf_writer(hf_files(ckpt), ckpt.tokenizer(), dtype)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        _check_parent(out)
         with atomic_path(out) as tmp:
             write_gguf(writer, tmp)
         return out
     files = hf_files(ckpt)  # everything checked before anything is written
+    _check_parent(out)
     write_dir_atomic(out, lambda tmp: _write_files(tmp, files))
     return out
+
+
+def _check_parent(out: Path) -> None:
+    """`out`'s directory, made if missing; one that cannot be is a one-line error."""
+    if (reason := writable_error(out.parent)) is not None:
+        raise ConfigError(f"cannot write out={out}: {reason} ({out.parent}); choose another out")
 
 
 def hf_files(ckpt: Checkpoint) -> dict[str, Any]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def check_fraction(fraction: float) -> float:
     if not 0 < fraction < 1:
-        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {fraction}")
+        raise DataError(f"data.val_fraction must be between 0 and 1 (exclusive), got {fraction}")
     return fraction
 
 

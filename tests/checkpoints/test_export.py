@@ -150,6 +150,16 @@ def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
         export_checkpoint({"checkpoint": str(path), "out": None})
 
 
+@pytest.mark.parametrize("out", ["x", "x.gguf"])
+def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path, out):
+    path, _ = save_tiny_checkpoint(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file")
+    target = tmp_path / "notes.txt" / out
+    fmt = "gguf" if out.endswith("gguf") else "hf"
+    with pytest.raises(ConfigError, match=f"cannot write out={target}: a file is in the way"):
+        export_checkpoint({"checkpoint": str(path), "out": str(target), "format": fmt})
+
+
 def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
     check = {"positions": 7, "largest": 0.0, "measure": "change in the past", "passed": True}
     causality = {
