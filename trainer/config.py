@@ -379,8 +379,10 @@ def resumed_config(
         if value == old.get(path, _UNSET):
             continue
         if not any(_under(path, k) for k in RESUMABLE):
+            group = next((k for k in override_keys if k != path and _under(path, k)), None)
+            via = f" (set by the {group}=... override)" if group else ""
             raise ConfigError(
-                f"cannot resume with {path}={_show(value)}: the run resumed "
+                f"cannot resume with {path}={_show(value)}{via}: the run resumed "
                 f"(train.resume={resume}) has {path}={_show(old.get(path, _UNSET))}, and a "
                 f"resumed run keeps its model, data and optimizer; drop the override (a resume "
                 f"may change {', '.join(RESUMABLE)}) or start a new run"

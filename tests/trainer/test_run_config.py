@@ -65,6 +65,12 @@ def test_changes_to_the_model_data_or_optimizer_are_refused_naming_the_key(overr
         resume_with(override)
 
 
+def test_a_key_changed_through_a_group_names_the_group():
+    refused = r"^cannot resume with optim.muon_lr=.* \(set by the optim=\.\.\. override\): "
+    with pytest.raises(ConfigError, match=refused):
+        resume_with("optim=muon")
+
+
 def test_a_recipe_that_changes_the_model_is_refused():
     composed = config("train.resume=auto", "experiment=speedrun_cpu")
     with pytest.raises(ConfigError, match=r"cannot resume with data.tokenizer='bpe-2048'"):
