@@ -65,8 +65,8 @@ def test_bad_input_is_one_clear_error_without_traceback(tmp_path, corpus, overri
 @pytest.mark.parametrize(
     "content, expected",
     [
-        (None, "error: data.train_files: 'input.txt' does not exist"),
-        (b"", "error: data.train_files: 'input.txt' is empty"),
+        (None, "/input.txt' does not exist"),  # named absolute: where it was looked for
+        (b"", "/input.txt' is empty"),
         (bytes(range(256)), "is not UTF-8 text (byte 128 is not valid UTF-8)"),
     ],
 )
