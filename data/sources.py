@@ -130,10 +130,8 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
     (globs kept), as seen from the directory a run starts in: the run's saved config is resumed,
     sampled and evaluated from anywhere. (A hub source's data_files may be the hub's own.)"""
     cfg = dict(cfg)
-    for key in [
-        "cache_dir",
-        *(["train_files", "val_files"] if cfg.get("source") == "text" else []),
-    ]:
+    text = cfg.get("source") == "text"
+    for key in ("cache_dir", "train_files", "val_files") if text else ("cache_dir",):
         value = cfg.get(key)
         if isinstance(value, str):
             cfg[key] = str(Path(value).expanduser().absolute())
