@@ -306,7 +306,8 @@ def run_config(
     was started, whatever overrides that took."""
     composed = _resolved(cfg)
     composed["data"] = absolute_paths(composed["data"])  # the saved config works from anywhere
-    if composed["train"].get("init_from") is not None:  # the source fixes the rest of the model
+    train = composed["train"]
+    if train.get("init_from") is not None and train.get("resume") is None:  # the source fixes
         default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
         composed["model"] = requested_model(composed["model"], default_model, overrides)
     settings = _validated(composed)  # a bad value is named as typed, before any comparison
@@ -330,15 +331,17 @@ def requested_model(
     replaces them."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
-    keep = {"block_size", *RUNTIME_KEYS, *named}
+    keep = {*RUNTIME_KEYS, *named}
     return {k: v for k, v in model.items() if k in keep or default_model.get(k, _UNSET) != v}
 
 
 def _validated(resolved: dict[str, Any]) -> RunConfig:
     """RunConfig checks every section; the model's fields are checked by GPTConfig (with the
-    vocabulary size the tokenizer fills in later taken as valid)."""
+    vocabulary size the tokenizer fills in later taken as valid), or with train.init_from by
+    `pretrained_model`, over the source's (the model section holds only what the run asks)."""
     model = resolved.get("model") or {}
-    GPTConfig.from_dict({**model, "vocab_size": model.get("vocab_size") or 1})
+    if not (resolved.get("train") or {}).get("init_from"):
+        GPTConfig.from_dict({**model, "vocab_size": model.get("vocab_size") or 1})
     return RunConfig.from_dict(resolved)
 
 

@@ -19,7 +19,7 @@ from data.tokenizer import get_tokenizer
 from evals.loss import evaluate_checkpoint
 from inference.cli import run as sample
 from tests.conftest import CONFIGS, TINY, compose_run, run_script
-from trainer.config import RunConfig, requested_model
+from trainer.config import RunConfig, requested_model, run_config
 from trainer.loop import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -99,7 +99,18 @@ def test_requested_model_keeps_what_the_run_sets():
     default = {"n_layer": 8, "n_head": 4, "block_size": 128, "dropout": 0.0, "bias": True}
     model = {**default, "n_head": 2, "bias": True}  # n_head from an experiment or preset
     requested = requested_model(model, default, ["train.init_from=gpt2", "model.bias=true"])
-    assert requested == {"n_head": 2, "bias": True, "block_size": 128, "dropout": 0.0}
+    # the default preset's block_size is no request either: a nano source (64) is not cropped
+    # to 128, it keeps its own
+    assert requested == {"n_head": 2, "bias": True, "dropout": 0.0}
+
+
+def test_a_requested_key_is_not_checked_against_the_default_presets_other_keys(tmp_path):
+    """model.n_embd=32 with train.init_from is checked with the source's n_head (by
+    pretrained_model), not with GPTConfig's default of 12."""
+    overrides = ["train.init_from=/some/run", "model.n_embd=32"]
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        cfg = compose("train", overrides=overrides)
+        assert run_config(cfg, tmp_path, overrides)[1]["model"]["n_embd"] == 32
 
 
 def test_finetune_shakespeare_composes_and_builds(tmp_path, hf_gpt2_dir, shakespeare_cache):
