@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,7 +61,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
     max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
     seed = _int_at_least("seed", cfg["seed"], 0)
-    stop = [decode_escapes(str(s)) for s in (cfg["stop"] or [])]
+    stop = cfg["stop"] or []
+    stop = [stop] if isinstance(stop, str) else stop  # stop=ro: one string, not 'r' and 'o'
+    check("stop", stop, isinstance(stop, Sequence), "a string or a list like '[\"\\n\\n\"]'")
+    stop = [decode_escapes(str(s)) for s in stop]
+    stream = cfg["stream"]
+    check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     device = resolve_device(str(cfg["device"]))
     dtype = decoding_dtype(str(cfg["dtype"]), device)
@@ -96,7 +101,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
                 file=err,
             )
 
-    live = out.isatty() if cfg["stream"] is None else bool(cfg["stream"])
+    live = out.isatty() if stream is None else stream
+    if stream and num_samples > 1:
+        print(
+            "note: stream=true prints one sample as it comes; these are printed at the end",
+            file=err,
+        )
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
     shown = out if live else io.StringIO()  # not live: the samples are printed at the end
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -83,6 +83,20 @@ def test_a_stop_string_ends_the_sample_before_it(run_dir, sample_cfg, capsys):
         )
     )
     assert stopped == full[: full.index(stop)]
+    # A plain string is one stop string, not one per character.
+    cfg["stop"] = stop
+    assert run(cfg) == [stopped]
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("stop", 5, "stop must be a string or a list"), ("stream", "maybe", "stream must be true")],
+)
+def test_stop_and_stream_values_are_checked(run_dir, sample_cfg, key, value, message):
+    cfg = sample_cfg(f"checkpoint={run_dir}")
+    cfg[key] = value
+    with pytest.raises(ValueError, match=message):
+        run(cfg)
 
 
 def test_the_readmes_blank_line_stop_ends_the_sample_at_the_first_blank_line(
