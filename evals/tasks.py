@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from base.errors import CONFIG_DIR, ConfigError, DataError
+from base.errors import CONFIG_DIR, ConfigError, DataError, positive_int
 from data.sources import load_dataset
 from evals.loss import Counter
 from hardware.device import Precision
@@ -127,8 +127,11 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
     fields, build = FORMATS[fmt]
     path, subset, split, files = cfg["path"], cfg.get("subset"), cfg["split"], cfg.get("data_files")
     if files:  # a local file: its format's builder, no subset
-        suffix = Path(files).suffix
-        path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix, suffix[1:])
+        path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(Path(files).suffix)
+        if path is None:
+            raise DataError(
+                f"task {name}: task.data_files={files} is not a .jsonl, .json or .parquet file"
+            )
         subset, files = None, {split: str(Path(files).expanduser())}
     try:
         ds = load_dataset(path, subset, split, data_files=files)
@@ -146,7 +149,7 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
             f"(they have: {', '.join(ds.column_names)})"
         )
     if cfg.get("limit") is not None:
-        ds = ds.select(range(min(int(cfg["limit"]), len(ds))))
+        ds = ds.select(range(min(positive_int("task.limit", cfg["limit"]), len(ds))))
     items = []
     for i, doc in enumerate(ds):
         try:

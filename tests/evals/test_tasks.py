@@ -157,6 +157,16 @@ def test_bad_items_are_named(tmp_path, name, rows, message):
         load_task(local_task(tmp_path, name, rows), GPT2, 64)
 
 
+def test_a_bad_limit_and_an_empty_or_unknown_file_are_one_line_each(tmp_path):
+    task = local_task(tmp_path, "hellaswag")
+    for limit in (0, -1, "abc"):  # 0 items once crashed the scoring (IndexError)
+        with pytest.raises(ValueError, match="task.limit must be a positive integer"):
+            load_task({**task, "limit": limit}, GPT2, 64)
+    (tmp_path / "items.txt").write_text("x")  # once looked up on the hub as a dataset "txt"
+    with pytest.raises(DataError, match="items.txt is not a .jsonl, .json or .parquet file"):
+        load_task({**task, "data_files": str(tmp_path / "items.txt")}, GPT2, 64)
+
+
 def test_a_choice_longer_than_the_block_is_refused(tmp_path):
     with pytest.raises(
         DataError, match="item 0 has a choice of 11 tokens, more than the model.s block_size 8"
