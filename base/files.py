@@ -143,6 +143,8 @@ def read_utf8(
         data = path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"{key} {path.resolve()} does not exist") from None
+    except IsADirectoryError:
+        raise DataError(f"{key} {path.resolve()} is a directory; give a file") from None
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:

@@ -233,6 +233,8 @@ def test_a_prompt_file_that_is_not_utf8_is_refused(run_dir, sample_cfg, tmp_path
     prompt.write_bytes("café".encode("latin-1"))
     err = errors_of(sample_cfg(f"checkpoint={run_dir}", f"prompt_file={prompt}"), capsys)
     assert f"prompt_file {prompt} is not UTF-8 text" in err
+    err = errors_of(sample_cfg(f"checkpoint={run_dir}", f"prompt_file={tmp_path}"), capsys)
+    assert f"prompt_file {tmp_path} is a directory; give a file" in err  # was a bare Errno 21
 
 
 def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
