@@ -166,10 +166,10 @@ def evaluate_checkpoint(
     if cfg["text_file"]:
         file = Path(cfg["text_file"]).expanduser()
         text = read_utf8(file, "text_file")
+        if not text:
+            raise DataError(f"text_file {file} is empty: there is nothing to score")
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
         source, nbytes = str(file), len(text.encode("utf-8"))
-        if nbytes == 0:
-            raise DataError(f"text_file {file} is empty: there is nothing to score")
     else:
         if "data" not in ckpt.run_config:
             raise DataError(

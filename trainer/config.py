@@ -311,7 +311,7 @@ def run_config(
         default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
         composed["model"] = requested_model(composed["model"], default_model, overrides)
     settings = _validated(composed)  # a bad value is named as typed, before any comparison
-    resume = composed["train"].get("resume")
+    resume = train.get("resume")
     saved = saved_config(resume, run_dir) if resume is not None else None
     if saved is None:
         return settings, composed
