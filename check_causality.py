@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import boolean, check, hydra_main, is_int, user_errors
+from base.errors import ConfigError, boolean, check, hydra_main, is_int, user_errors
 from checkpoints.store import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
 from model.causality import check_causality, shrunk_config
+from model.gpt import unavailable_attention
 
 GPT2_VOCAB = 50257  # vocab_size: null at full size (only the tokenizer knows it; any size works)
 
@@ -50,6 +51,8 @@ def run(cfg: dict[str, Any]) -> int:
     check("attention", attention, attention in ["all", *impls], f"all or one of {impls}")
     boolean("shrink", cfg["shrink"])
     device = resolve_device(cfg["device"])
+    if why := unavailable_attention(device).get(attention):
+        raise ConfigError(why)
     torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
     model, description = model_to_check(cfg)
     attention = None if attention == "all" else (attention,)
@@ -62,6 +65,8 @@ def run(cfg: dict[str, Any]) -> int:
         print(f"NOT causal: {failed} of {n} checks failed on {description}; first: {failures[0]}")
     else:
         print(f"causal: all {n} checks passed on {description}")
+    if attention is None and (skipped := unavailable_attention(device)):
+        print("\n".join(f"not checked here: {why}" for why in skipped.values()))
     print(report)  # a line per check, then the JSON summary
     return 0 if report.causal else 1
 

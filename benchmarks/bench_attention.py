@@ -1,24 +1,30 @@
-"""Benchmark: causal attention alone, forward + backward, manual vs flash vs sdpa against T.
+"""Benchmark: causal attention alone, forward and forward + backward, one implementation a row.
 
-Run from the repository root: ``python benchmarks/bench_attention.py`` (about 3 minutes on two
-cores); ``--help`` for the shapes, tile sizes and lengths. Prints a markdown table.
+On a CPU, from the repository root: ``python benchmarks/bench_attention.py`` (manual, flash and
+sdpa; float32; batch 1, 4 heads of 64; T = 128 to 8,192; about 3 minutes on two cores). On a CUDA
+GPU: ``python benchmarks/bench_attention.py --device cuda`` (manual, each sdpa backend, triton;
+bfloat16; 16,384 tokens a batch in heads of 64 and of 128 over a width of 2,048, as
+FlashAttention-2's paper measures; T = 1,024 to 16,384). ``--help`` for the shapes, lengths and
+implementations. Prints a markdown table, one row per (head size, T, implementation).
 
-Method. Each (implementation, T) runs in a fresh subprocess (benchmarks/harness.py), so no
-allocator cache or earlier peak carries over. The child imports torch, runs one small warm-up
-(thread pools, kernels), allocates q, k, v (B, H, T, d_k), the output gradient and manual's
-(T, T) boolean mask (the model keeps that mask as a buffer), resets the kernel's peak-RSS mark
-(write 5 to /proc/self/clear_refs, so freed setup temporaries do not hide a smaller peak) and
-takes the resident set size VmRSS as its baseline. It then runs forward + backward (q, k, v
-get their .grad) once; the reported peak is the peak RSS after it (VmHWM, the number
-getrusage's ru_maxrss reports) minus the baseline: every byte the attention itself touched at
-its worst moment: S and its softmax, autograd's saved tensors, gradients, temporaries. Linux
-only. Then it repeats forward + backward while under --seconds (at least once); the time is the
-fastest of these runs (the minimum is the least disturbed by other processes on the machine).
+Columns: the forward's and the forward + backward's time and TFLOP/s (causal attention's
+matmul FLOPs: 2 B H T^2 d_k forward, 2.5 times that backward, the diagonal's half tile
+ignored), peak memory, and forward + backward against the fastest sdpa backend of the same
+row group (above 1: faster).
+
+Method. The time of each is the fastest of repeated runs within --seconds (at least 3 after a
+warm-up that compiles Triton's kernels; the minimum is the least disturbed by other load), with
+the GPU synchronised. Peak memory is what one forward + backward adds above q, k, v, dO and
+manual's mask: on a CPU each cell runs in a fresh subprocess (benchmarks/harness.py) and the
+peak is the growth of its peak resident set (VmHWM, reset after setup); on a GPU, cells run in
+one process and the peak is torch.cuda.max_memory_allocated above the allocated baseline. A
+cell out of memory prints OOM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import harness
@@ -26,84 +32,157 @@ from harness import head, row
 
 from model.gpt import GPTConfig
 
-IMPLS = ("manual", "flash", "sdpa")
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
+SDPA_BACKENDS["sdpa-cudnn"] = "CUDNN_ATTENTION"
+IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, "triton")
+DEFAULTS = {  # per device: implementations, dtype, lengths, head sizes
+    "cpu": (["manual", "flash", "sdpa"], "float32", [2**i for i in range(7, 14)], [64]),
+    "cuda": (["manual", *SDPA_BACKENDS, "triton"], "bfloat16", [2**i for i in range(10, 15)],
+             [64, 128]),
+}  # fmt: skip
 
 
-def child(cell: dict, args: argparse.Namespace) -> dict[str, float]:
-    """One (impl, T) measurement in this process: time and peak memory of forward + backward."""
+def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
+    """One (impl, head size, T) cell in this process: times and peak memory."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from model.flash_attention import flash_causal_attention
     from model.gpt import causal_attention
 
-    impl, T_ = cell["impl"], torch.Tensor
+    impl, hs, T = cell["impl"], cell["head_size"], cell["T"]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or DEFAULTS[args.device][1])
+    cuda = device.type == "cuda"
 
-    def run(q: T_, k: T_, v: T_, allowed: T_, g: T_) -> None:
+    def attend(q, k, v, allowed):
         if impl == "manual":
-            y, _ = causal_attention(q, k, v, allowed)
-        elif impl == "flash":
-            y = flash_causal_attention(q, k, v, args.block_q, args.block_k)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y.backward(g)  # (B, H, T, d_k) gradient into q, k, v
+            return causal_attention(q, k, v, allowed)[0]
+        if impl == "flash":
+            return flash_causal_attention(q, k, v, args.block_q, args.block_k)
+        if impl == "triton":
+            from model.triton_attention import triton_causal_attention
+
+            return triton_causal_attention(q, k, v)
+        backend = SDPA_BACKENDS.get(impl)  # None: torch's own choice
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def inputs(n: int) -> tuple[torch.Tensor, ...]:
-        shape = (args.batch, args.heads, n, args.head_size)
-        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-        return q, k, v, torch.ones(n, n, dtype=torch.bool).tril(), torch.randn(shape)
+        batch, heads = (args.tokens // n, args.width // hs) if cuda else (args.batch, args.heads)
+        shape = (max(batch, 1), heads, n, hs)
+        new = dict(device=device, dtype=dtype)
+        q, k, v = (torch.randn(shape, **new, requires_grad=True) for _ in "qkv")
+        allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return q, k, v, allowed, torch.randn(shape, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def fastest(fn) -> float:
+        times = []
+        while len(times) < 3 or sum(times) < args.seconds:
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
 
     torch.manual_seed(0)
-    run(*inputs(64))  # warm-up: thread pools and kernels are set up before the baseline
-    q, k, v, allowed, g = inputs(cell["T"])
-    harness.reset_peak_rss()
-    baseline = harness.rss_bytes("VmRSS")
-    run(q, k, v, allowed, g)
-    peak = harness.rss_bytes("VmHWM") - baseline  # of one run: repeats could only add heap growth
-    times = []
-    while not times or sum(times) < args.seconds:
-        q.grad = k.grad = v.grad = None
-        start = time.perf_counter()
-        run(q, k, v, allowed, g)
-        times.append(time.perf_counter() - start)
-    return {"seconds": min(times), "peak_bytes": peak}
+    try:
+        q, k, v, allowed, g = inputs(64)
+        attend(q, k, v, allowed).backward(g)  # warm-up: thread pools, kernels compiled
+        q, k, v, allowed, g = inputs(T)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+        else:
+            harness.reset_peak_rss()
+            baseline = harness.rss_bytes("VmRSS")
+        attend(q, k, v, allowed).backward(g)
+        sync()
+        peak = torch.cuda.max_memory_allocated() if cuda else harness.rss_bytes("VmHWM")
+        with torch.no_grad():
+            forward = fastest(lambda: attend(q, k, v, allowed))
+        both = fastest(lambda: attend(q, k, v, allowed).backward(g))
+    except torch.OutOfMemoryError:
+        return {"error": "OOM"}
+    except Exception as error:  # e.g. an sdpa backend that does not take this shape
+        return {"error": str(error).splitlines()[0][:60]}
+    flops = 2 * q.size(0) * q.size(1) * T * T * hs  # causal: half of 4 B H T^2 d_k
+    return {
+        "forward": forward,
+        "both": both,
+        "forward_tflops": flops / forward / 1e12,
+        "both_tflops": 3.5 * flops / both / 1e12,
+        "peak_bytes": peak - baseline,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=1, help="CPU: batch size")
+    parser.add_argument("--heads", type=int, default=4, help="CPU: heads")
+    parser.add_argument("--tokens", type=int, default=16384, help="GPU: batch x T")
+    parser.add_argument("--width", type=int, default=2048, help="GPU: heads x head size")
+    parser.add_argument("--head-sizes", type=int, nargs="+")
     parser.add_argument("--block-q", type=int, default=GPTConfig.flash_block_q, help="flash tile")
     parser.add_argument("--block-k", type=int, default=GPTConfig.flash_block_k, help="flash tile")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2**i for i in range(7, 14)])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    parser.add_argument("--seconds", type=float, default=1.0, help="timed runs per cell")
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS)
+    parser.add_argument("--seconds", type=float, default=1.0, help="timed runs per measurement")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = harness.parse_args(parser, child)
-    print(harness.machine())
-    print(
-        f"\nCausal attention alone, forward + backward, float32, B={args.batch}, "
-        f"H={args.heads}, d_k={args.head_size}, flash tiles {args.block_q}x{args.block_k}. "
-        "Time: fastest run. Peak: growth of peak RSS (VmHWM = ru_maxrss, reset after setup) over "
-        "the RSS after allocating q, k, v, dO and the mask, in a fresh process per cell.\n"
-    )
-    others = [i for i in args.impls if i != "manual"] if "manual" in args.impls else []
-    columns = [f"{i} ms | {i} MiB" for i in args.impls]
-    columns += [f"{i}/manual time | {i}/manual mem" for i in others]
-    head(" | ".join(["T", *columns]), "r" * (1 + 2 * len(columns)))
-    for T in args.lengths:
-        res = {impl: harness.measure(__file__, dict(impl=impl, T=T)) for impl in args.impls}
-        if error := next((r["error"] for r in res.values() if "error" in r), None):
-            row([str(T), error])
-            continue
-        line = [str(T)]
-        for r in res.values():
-            line += [f"{r['seconds'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}"]
-        for impl in others:
-            line.append(f"{res[impl]['seconds'] / res['manual']['seconds']:.2f}")
-            line.append(f"{res[impl]['peak_bytes'] / max(res['manual']['peak_bytes'], 1):.3f}")
-        row(line)
+    impls, dtype, lengths, head_sizes = DEFAULTS[args.device]
+    args.impls, args.dtype = args.impls or impls, args.dtype or dtype
+    args.lengths, args.head_sizes = args.lengths or lengths, args.head_sizes or head_sizes
+    print(harness.machine(args.device))
+    shape = f"{args.tokens:,} tokens x width {args.width:,}" if args.device == "cuda" else (
+        f"B={args.batch}, H={args.heads}")  # fmt: skip
+    print(f"\nCausal attention alone, {args.dtype}, {shape}; fastest of runs within "
+          f"{args.seconds:g} s; flash tiles {args.block_q}x{args.block_k}.\n")  # fmt: skip
+    head("d_k | T | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB | "
+         "fwd+bwd / fastest sdpa", "rrlrrrrrr")  # fmt: skip
+    for hs in args.head_sizes:
+        for T in args.lengths:
+            cells = [dict(impl=impl, head_size=hs, T=T) for impl in args.impls]
+            results = [run_cell(cell, args) for cell in cells]
+            done = list(zip(cells, results, strict=True))
+            sdpa = [r["both"] for c, r in done if "sdpa" in c["impl"] and "both" in r]
+            for cell, r in done:
+                if "error" in r:
+                    row([str(hs), str(T), cell["impl"], r["error"], "", "", "", "", ""])
+                    continue
+                ratio = f"{min(sdpa) / r['both']:.2f}" if sdpa else ""
+                times = [f"{r['forward'] * 1e3:.2f}", f"{r['forward_tflops']:.3g}"]
+                times += [f"{r['both'] * 1e3:.2f}", f"{r['both_tflops']:.3g}"]
+                row(
+                    [
+                        str(hs),
+                        f"{T:,}",
+                        cell["impl"],
+                        *times,
+                        f"{r['peak_bytes'] / 2**20:,.1f}",
+                        ratio,
+                    ]
+                )
+
+
+def run_cell(cell: dict, args: argparse.Namespace) -> dict:
+    """A CPU cell in a fresh subprocess (its peak RSS is its own); a GPU cell here, its memory
+    freed after it."""
+    if args.device == "cpu":
+        return harness.measure(__file__, cell)
+    import torch
+
+    result = child(cell, args)
+    torch.cuda.empty_cache()
+    return result
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@
 Run from anywhere on a CUDA machine: ``python benchmarks/bench_gpu.py`` (GPT-2 124M, bf16
 autocast, batch 16 x 1024, fused AdamW, torch.compile on; ``--help`` for the options). Prints a
 markdown table: tokens/s, MFU against hardware/device.py's datasheet peak, and peak GPU memory per
-cell. ``--device cpu --preset nano --batch-size 2 --block-size 64 --no-compile`` runs the same
-cells on a CPU (a smoke test of the script, not a measurement).
+cell, beside trainer/preflight.py's estimate of that peak. ``--device cpu --preset nano
+--batch-size 2 --block-size 64 --no-compile`` runs the same cells on a CPU (a smoke test of the
+script, not a measurement; the triton cell needs TRITON_INTERPRET=1 there).
 
 Cells (each in a fresh subprocess, benchmarks/harness.py; a cell's time is the median of
 --steps timed steps after --warmup untimed ones, synchronized). The step is the model's own
 forward with targets, which keeps no (B, T, vocab) logits through backward (issue 18):
 - vocab 50257: GPT-2's own vocabulary, the baseline;
-- padded vocab: 50304 rows (nanoGPT's padding: aligned matmuls in the head);
-- flash: attention=flash instead of sdpa (our tiled PyTorch FlashAttention; expected far slower
-  than the fused kernel, it is the memory-linear teaching version);
+- padded vocab: 50304 rows (nanoGPT's padding: aligned matmuls in the head), with sdpa;
+- manual, triton, flash: that attention instead of sdpa (triton: our Triton kernel; flash: our
+  tiled PyTorch FlashAttention, the memory-linear teaching version, far slower);
 - muon: optim=muon (Newton-Schulz on every matrix, on every rank).
 A cell that runs out of memory prints OOM; one that fails, the last line of its error.
 """
@@ -29,6 +30,8 @@ from harness import head, row
 CELLS = {
     "baseline (vocab 50257)": dict(vocab=50257),
     "padded vocab 50304": dict(vocab=50304),
+    "manual attention": dict(vocab=50304, attention="manual"),
+    "triton attention": dict(vocab=50304, attention="triton"),
     "flash attention": dict(vocab=50304, attention="flash"),
     "muon": dict(vocab=50304, optim="muon"),
 }
@@ -42,6 +45,7 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
     from model import GPT, GPTConfig, load_preset
     from trainer.config import OptimSettings
     from trainer.optim import build_optimizer
+    from trainer.preflight import estimate_memory
 
     device = torch.device(args.device)
     configure_backends(device)
@@ -49,8 +53,12 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
     values = {**load_preset(args.preset), "vocab_size": cell["vocab"]}
     values.update(block_size=args.block_size, attention=cell.get("attention", "sdpa"))
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_dict(values)).to(device)
-    optimizer = build_optimizer(model, OptimSettings(name=cell.get("optim", "adamw")), device)
+    config = GPTConfig.from_dict(values)
+    model = GPT(config).to(device)
+    optim = cell.get("optim", "adamw")
+    optimizer = build_optimizer(model, OptimSettings(name=optim), device)
+    compiled = args.compile and device.type == "cuda"
+    estimate = estimate_memory(config, args.batch_size, optim, precision.dtype, 1, compiled)
     step_model = torch.compile(model) if args.compile else model
     shape = (args.batch_size, args.block_size)
 
@@ -81,7 +89,7 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
     peak, _ = peak_flops(precision)
     mfu = tok_s * model.flops_per_token(args.block_size) / peak if peak else float("nan")
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return {"tok_s": tok_s, "mfu": mfu, "peak_gib": memory}
+    return {"tok_s": tok_s, "mfu": mfu, "peak_gib": memory, "estimate_gib": estimate.total / 2**30}
 
 
 def main() -> None:
@@ -101,13 +109,14 @@ def main() -> None:
         f"\n{args.preset}, {args.dtype}, batch {args.batch_size} x {args.block_size}, "
         f"compile {'on' if args.compile else 'off'}\n"
     )
-    head("cell | tokens/s | MFU | peak memory (GiB)", "lrrr")
+    head("cell | tokens/s | MFU | peak memory (GiB) | estimated (GiB)", "lrrrr")
     for name in args.cells:
         r = harness.measure(__file__, CELLS[name])
         if "error" in r:
-            row([name, r["error"], "", ""])
+            row([name, r["error"], "", "", ""])
         else:
-            row([name, f"{r['tok_s']:,.0f}", f"{r['mfu']:.1%}", f"{r['peak_gib']:.2f}"])
+            numbers = [f"{r['tok_s']:,.0f}", f"{r['mfu']:.1%}", f"{r['peak_gib']:.2f}"]
+            row([name, *numbers, f"{r['estimate_gib']:.2f}"])
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ FEATURES = {
         ("checkpoints/store.py", ["_json_object", "_inside"]),
     ],
     "tiled FlashAttention (attention: flash)": [("model/flash_attention.py", None)],
+    "Triton GPU kernel (attention: triton)": [
+        ("model/triton_attention.py", None),
+        ("model/gpt.py", ["unavailable_attention"]),
+    ],
     "memory estimate before allocating": [
         ("trainer/preflight.py", ["MemoryEstimate", "estimate_memory"]),
         ("trainer/preflight.py", ["available_memory", "check_memory"]),

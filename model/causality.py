@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
-from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig
+from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig, unavailable_attention
 
 TRAIN_DROPOUT = 0.1  # the train-mode checks' dropout when the model has none
 # A shrunk copy: every option, 4 dimensions per head, a 64-token vocabulary, a 16-token context
@@ -267,12 +267,13 @@ def check_causality(
     seed: int = 0,
     attention: tuple[str, ...] | None = None,
 ) -> CausalityReport:
-    """Every check with each attention implementation (the model's own first; `attention`
-    narrows them): perturbation and jacobian in eval mode and in train mode (dropout
-    `TRAIN_DROPOUT` if the model has none, masks reseeded), and the KV cache in eval mode.
-    The model's mode is left as it was."""
+    """Every check with each attention implementation that runs on the model's device (the
+    model's own first; `attention` narrows them): perturbation and jacobian in eval mode and in
+    train mode (dropout `TRAIN_DROPOUT` if the model has none, masks reseeded), and the KV
+    cache in eval mode. The model's mode is left as it was."""
     own = model.config.attention
-    impls = attention or (own, *(a for a in ATTENTION_IMPLS if a != own))
+    cannot = unavailable_attention(model.lm_head.weight.device)
+    impls = attention or (own, *(a for a in ATTENTION_IMPLS if a != own and a not in cannot))
     idx = random_tokens(model, seq_len, batch_size, seed)
     dropout = model.config.dropout or TRAIN_DROPOUT
     modes = (("eval", {}), (f"train, dropout {dropout:g}", {"dropout": dropout}))

@@ -31,15 +31,19 @@ heads), and `pos_embedding: rope` rotates them by their positions (below).
 `attention: manual` (the default) runs exactly these lines. `attention: sdpa` calls torch's fused
 scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
 `attention: flash` computes the same thing tile by tile without ever storing S, so its memory
-grows linearly with T (model/flash_attention.py). `probs` computes S by the formula, for any
-of the three (the attention plots and tests ask for it; the forward pass never does).
+grows linearly with T (model/flash_attention.py); `attention: triton` is that algorithm as a GPU
+kernel (model/triton_attention.py), the fast path on a CUDA GPU. Decoding with a KV cache runs
+triton's few new queries through the manual lines. `probs` computes S by the formula, for any
+implementation (the attention plots and tests ask for it; the forward pass never does).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +59,7 @@ from base.errors import ConfigError, boolean, check, choice, is_number, positive
 # ----- GPTConfig: the model's shape as a validated dataclass; presets in configs/model/ ---------
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
-ATTENTION_IMPLS = ("manual", "sdpa", "flash")
+ATTENTION_IMPLS = ("manual", "sdpa", "flash", "triton")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
@@ -81,7 +85,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
     # manual: our formula | sdpa: torch's fused kernel (reference) | flash: our tiled
-    # FlashAttention, memory linear in T (model/flash_attention.py)
+    # FlashAttention, memory linear in T (model/flash_attention.py) | triton: the same
+    # algorithm as a Triton GPU kernel (model/triton_attention.py)
     attention: str = "manual"
     tie_embeddings: bool = True  # lm_head shares the token embedding matrix, as GPT-2
     # flash's tiles, queries x keys. 128 x 128 on CPU (benchmarks/bench_attention.py, T=8192):
@@ -154,6 +159,21 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def unavailable_attention(device: torch.device) -> dict[str, str]:
+    """The implementations that cannot run on `device`, each with the one-line reason. Only
+    triton has needs: the triton package (Linux), and a CUDA GPU or Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        why = "needs the triton package, which installs on Linux only (pip install triton)"
+    elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = (
+            f"runs its kernel on a CUDA GPU, not on {device.type}: use a GPU, or set "
+            "TRITON_INTERPRET=1 to run it (slowly) under Triton's interpreter"
+        )
+    else:
+        return {}
+    return {"triton": f"model.attention=triton {why}; or use model.attention=sdpa, flash or manual"}
 
 
 def preset_names() -> list[str]:
@@ -427,12 +447,18 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
         dropout_p = self.dropout if self.training else 0.0
 
-        if self.impl == "manual":
+        if self.impl == "manual" or (self.impl == "triton" and cache is not None):
             y, _ = causal_attention(q, k, v, allowed, dropout_p)
         elif self.impl == "flash":  # the queries are the last T of the past + T keys
             from model.flash_attention import flash_causal_attention  # only where it is used
 
             y = flash_causal_attention(q, k, v, *self.flash_blocks, dropout_p)  # (B, nh, T, hs)
+        elif self.impl == "triton":
+            if why := unavailable_attention(q.device).get("triton"):
+                raise ConfigError(why)
+            from model.triton_attention import triton_causal_attention  # needs triton
+
+            y = triton_causal_attention(q, k, v, dropout_p)  # (B, nh, T, hs)
         else:  # sdpa
             y = F.scaled_dot_product_attention(
                 q,

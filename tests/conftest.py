@@ -26,6 +26,11 @@ os.environ["CAUSALGPT_CPU_AUTO_DTYPE"] = "float32"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# attention=triton's GPU kernel runs under Triton's interpreter where there is no GPU (read when
+# model/triton_attention.py defines its kernels, on first use: after this line).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 

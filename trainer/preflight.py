@@ -20,6 +20,7 @@ from base.errors import ConfigError
 from hardware.device import Precision
 from model import GPT, GPTConfig
 from model.causality import check_causality, shrunk_config
+from model.gpt import unavailable_attention
 from trainer.config import RunConfig
 from trainer.optim import is_block_matrix
 from trainer.reporting import format_bytes
@@ -41,11 +42,16 @@ GUARD_LAYERS = 2
 
 
 def causality_guard(
-    cfg: RunConfig, verbose: bool = True, model: GPT | None = None
+    cfg: RunConfig, verbose: bool = True, model: GPT | None = None, device: str = "cpu"
 ) -> dict[str, Any]:
     """The guard's record, kept in every checkpoint's metadata under "causality"; raises
-    ConfigError naming where the leak enters. model: a loaded model to check as it is, with its
-    own attention implementation."""
+    ConfigError naming where the leak enters, or why the attention cannot run on `device` (the
+    run's). model: a loaded model to check as it is, with its own attention implementation.
+    A shrunk copy is checked on the CPU (exact float32) unless its attention runs only on the
+    run's device (triton's kernel)."""
+    attention = model.config.attention if model else cfg.model.get("attention", "manual")
+    if why := unavailable_attention(torch.device(device)).get(attention):
+        raise ConfigError(why)
     if not cfg.train.check_causality:
         return {"checked": False, "reason": "train.check_causality=false"}
     start = time.perf_counter()
@@ -53,6 +59,8 @@ def causality_guard(
         if model is None:
             torch.manual_seed(0)
             model = GPT(shrunk_config(cfg.model, GUARD_LAYERS))
+            if attention in unavailable_attention(torch.device("cpu")):
+                model.to(device)
             what, label = "a shrunk copy of this model", "a shrunk copy (same options)"
         else:
             what = label = "the loaded model"
@@ -96,10 +104,16 @@ def causality_guard(
 #                   their gradient and the logits' gradient, all alive at the start of backward
 #
 # Activations count 4 bytes per element in float32 and the autocast dtype's size under autocast
-# (norm inputs stay float32). Under torchrun, FSDP divides weights, gradients and optimizer state
-# by the world size. Not counted: the runtime's own memory (lazily imported modules, thread pools,
-# matmul scratch: 70-150 MB on a CPU). benchmarks/bench_memory.py compares the estimate with
-# measured peaks (README, Performance).
+# (norm inputs stay float32). A step compiled for a CUDA GPU keeps less (`compiled`): inductor
+# recomputes the pointwise ops in backward instead of saving their outputs (the norms' outputs,
+# the MLP's activation, manual's autocast copy of S), and its fused cross-entropy keeps the
+# logits in the autocast dtype plus their gradient, 2 x B x T x vocab, not three float32
+# tensors. GPT-2 124M, batch 16 x 1,024, bfloat16, on an H100 (docs/performance.md): sdpa
+# 8.91 GiB estimated for 8.45 measured, manual 19.1 for 17.5 (the eager formula: 16.7, 31.5).
+# Under torchrun, FSDP divides weights, gradients and optimizer state by the world size. Not
+# counted: the runtime's own memory (lazily imported modules, thread pools, matmul scratch:
+# 70-150 MB on a CPU). benchmarks/bench_memory.py compares the estimate with measured peaks
+# (README, Performance); benchmarks/bench_gpu.py on a GPU.
 
 FLOAT32 = 4
 
@@ -122,11 +136,17 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    config: GPTConfig, batch_size: int, optimizer: str, dtype: torch.dtype, shards: int = 1
+    config: GPTConfig,
+    batch_size: int,
+    optimizer: str,
+    dtype: torch.dtype,
+    shards: int = 1,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     """The estimated peak of one training step of micro-batches of `batch_size` windows of
-    config.block_size tokens under autocast `dtype` (float32: none); see the module docstring.
-    `shards`: the world size under FSDP (weights, gradients, optimizer state split), else 1."""
+    config.block_size tokens under autocast `dtype` (float32: none); see the comment above.
+    `shards`: the world size under FSDP (weights, gradients, optimizer state split), else 1.
+    `compiled`: the step is torch.compile'd for a CUDA GPU."""
     with torch.device("meta"):  # the parameters' shapes, allocating nothing
         model = GPT(config)
     params = model.num_params(exclude_positions=False)
@@ -139,17 +159,20 @@ def estimate_memory(
     B, T, C = batch_size, config.block_size, config.n_embd
     mlp = (4 if config.mlp == "swiglu" else 2) * config.mlp_hidden / C
     heads_out = 1 if config.attention == "manual" else 2
-    per_layer = B * T * C * (2 * FLOAT32 + (2 + 3 + heads_out + mlp) * act)
+    norm_outs, kept = (0, mlp / 2) if compiled else (2, mlp)  # compiled: recomputed, not kept
+    per_layer = B * T * C * (2 * FLOAT32 + (norm_outs + 3 + heads_out + kept) * act)
     activations = config.n_layer * per_layer + 2 * B * T * C * FLOAT32
     if config.attention == "manual":
         scores = B * config.n_head * T * T
-        activations += config.n_layer * scores * (FLOAT32 + low) + 2 * scores * FLOAT32
+        s_copy = 0 if compiled else low
+        activations += config.n_layer * scores * (FLOAT32 + s_copy) + 2 * scores * FLOAT32
+    logits = B * T * config.vocab_size * (2 * act if compiled else 3 * FLOAT32)
     return MemoryEstimate(
         weights=(FLOAT32 * params) // shards + low * matmul,
         gradients=FLOAT32 * params // shards,
         optimizer=(FLOAT32 * muon + 2 * FLOAT32 * (params - muon)) // shards,
         activations=int(activations),
-        logits=3 * B * T * config.vocab_size * FLOAT32,
+        logits=logits,
     )
 
 
@@ -176,13 +199,14 @@ def check_memory(
     """The estimate and a line to print beside what the device has; raises ConfigError naming
     the cheapest fixes if it does not fit (unless train.skip_memory_check)."""
     train, dtype = cfg.train, precision.dtype
-    estimate = estimate_memory(config, train.batch_size, cfg.optim.name, dtype, shards)
+    compiled = cfg.compile and precision.device.type == "cuda"
+    estimate = estimate_memory(config, train.batch_size, cfg.optim.name, dtype, shards, compiled)
     budget, source = available_memory(precision.device)
     have = f"{format_bytes(budget)} {source}" if budget is not None else f"available: {source}"
     line = f"memory: estimated peak {estimate.summary()}; {have}"
     if budget is None or estimate.total <= budget or train.skip_memory_check:
         return estimate, line
-    one = estimate_memory(config, 1, cfg.optim.name, dtype, shards)  # memory is linear in B
+    one = estimate_memory(config, 1, cfg.optim.name, dtype, shards, compiled)  # linear in B
     per_window = one.activations + one.logits
     state = one.total - per_window  # weights, gradients, optimizer: whatever the batch
     if state > budget:

@@ -31,6 +31,13 @@ def run_command(capsys: pytest.CaptureFixture, *overrides: str) -> tuple[int, li
     return code, lines, json.loads(lines[-1])
 
 
+@pytest.fixture(autouse=True)
+def no_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a CPU without TRITON_INTERPRET: attention=all skips triton, saying so (its
+    interpreter takes 5-60 s a model; test_triton_is_checked_where_it_runs brings it back)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def test_experiments_are_all_covered():
     assert {"speedrun_cpu", "gpt2_124m_fineweb"} <= set(EXPERIMENTS)
 
@@ -43,6 +50,20 @@ def test_every_preset_is_causal(preset, capsys):
     assert code == 0 and summary["causal"] and summary["first_leak"] is None
     assert lines[0].startswith("causal: all 15 checks passed on the config's model, shrunk to ")
     assert len(summary["checks"]) == 15 and sum(": pass" in line for line in lines) == 15
+
+
+def test_triton_is_checked_where_it_runs_and_named_where_it_does_not(capsys, monkeypatch):
+    code, lines, summary = run_command(capsys, "model=nano")
+    assert code == 0 and not any(name.startswith("triton") for name in summary["checks"])
+    assert lines[1] == (
+        "not checked here: model.attention=triton runs its kernel on a CUDA GPU, not on cpu: use "
+        "a GPU, or set TRITON_INTERPRET=1 to run it (slowly) under Triton's interpreter; or use "
+        "model.attention=sdpa, flash or manual"
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code, lines, summary = run_command(capsys, "model=nano", "attention=triton")
+    assert code == 0 and list(summary["checks"])[0] == "triton perturbation (eval)"
+    assert len(summary["checks"]) == 5 and "not checked here" not in "\n".join(lines)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -97,6 +118,7 @@ def test_full_size_builds_the_configs_model(capsys):
         ),
         ("seq_len=1", "error: seq_len must be an integer >= 2, got 1"),
         ("attention=fast", "error: attention must be all or one of"),
+        ("attention=triton", "error: model.attention=triton runs its kernel on a CUDA GPU, not"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(override, message, tmp_path):

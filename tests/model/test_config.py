@@ -81,7 +81,7 @@ def test_the_largest_sizes_are_accepted():
 @pytest.mark.parametrize(
     "field, choices",
     [
-        ("attention", "['manual', 'sdpa', 'flash']"),
+        ("attention", "['manual', 'sdpa', 'flash', 'triton']"),
         ("pos_embedding", "['learned', 'rope']"),
         ("norm", "['layernorm', 'rmsnorm']"),
         ("mlp", "['gelu', 'relu2', 'swiglu']"),

@@ -1,0 +1,396 @@
+"""Causal attention as a Triton GPU kernel (`attention: triton`): model/flash_attention.py's
+algorithm with one GPU program per tile where flash has a Python loop.
+
+The formula and the names are model/gpt.py's: S = Q K^T / sqrt(d_k), -inf above the diagonal,
+P = softmax(S), Y = P V; m and l are a row's running max and sum of exp(S - m), LSE = m + log(l).
+
+- forward (`_forward`): one program per query tile of one (batch, head). It walks the key tiles
+  left of the diagonal without a mask, then the tiles crossing it with one (`visible`); tiles
+  above the diagonal are never loaded. The online softmax rescales the output accumulator as m
+  grows; only Y and the row's LSE are stored, never S.
+- backward (FlashAttention-2), two kernels that recompute P = exp(S - LSE) tile by tile, with
+  D = rowsum(dO * Y) computed first:
+  `_backward_dk_dv`, one program per key tile, walks the query tiles at and below the diagonal:
+  dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q / sqrt(d_k);
+  `_backward_dq`, one program per query tile, walks the key tiles as the forward does:
+  dQ += dS K / sqrt(d_k). Each program owns the rows it writes, so no atomics are needed.
+- dropout on P: each element's keep-mask is a Philox random number (tl.rand) of a seed and the
+  element's (row, column), so the backward regenerates the forward's masks without storing them.
+  The softmax's sum l is taken before dropout, as flash and torch's dropout on S do.
+
+Scores, softmax and accumulators are float32; the matmul inputs stay in the input dtype (tensor
+cores for bfloat16 and float16; float32 multiplies in full float32, not TF32). A head size that
+is not a power of two (96) is padded to the next one in registers; a T that is not a multiple of
+the tile has its last tile masked. Where Triton has no backend (a CPU), it runs under Triton's
+interpreter when TRITON_INTERPRET=1 is set before Python starts (numpy: slow, for tests);
+model/gpt.py refuses it in one line anywhere else (`unavailable_attention`).
+
+`triton_causal_attention` is a torch custom operator whose backward is registered with
+torch.library, so torch.compile traces a model through it without a graph break.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
+
+
+# The kernels' arguments one per line would bury the algorithm:
+# fmt: off
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """a @ b, accumulated in float32. Triton's interpreter multiplies bfloat16 tiles as their
+    raw bits, so there they are widened first: exact, as tensor cores multiply them."""
+    if INTERPRETED:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def visible(q_pos, k_pos):
+    """The causal mask: query position q_pos may see key position k_pos iff k_pos <= q_pos."""
+    return k_pos <= q_pos
+
+
+@triton.jit
+def keep(seed, rows, cols, T, dropout_p):
+    """Dropout's keep-mask of the elements (rows, cols) of one (batch, head)'s P: a pure function
+    of its arguments, so forward and backward draw the same mask."""
+    return tl.rand(seed, rows * T + cols) >= dropout_p
+
+
+@triton.jit
+def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
+                   dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over the key tiles [k_lo, k_hi) for one query tile; MASKED: the tiles
+    crossing the diagonal (and the ragged end), where `visible` decides."""
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        cols = k0 + tl.arange(0, BLOCK_N)  # key positions
+        in_k = (cols[:, None] < T) & (dims[None, :] < HS)
+        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :], mask=in_k, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :], mask=in_k, other=0.0)
+        s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
+        if MASKED:
+            s = tl.where(visible(rows[:, None], cols[None, :]), s, float("-inf"))
+        # Key 0 is in every row's first tile, so m is finite from then on: exp(-inf - m) = 0.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.math.exp2((s - m_new[:, None]) * LOG2E)  # P, unnormalised: (BLOCK_M, BLOCK_N)
+        alpha = tl.math.exp2((m - m_new) * LOG2E)  # rescales what was summed under the old max
+        l = l * alpha + tl.sum(p, 1)  # the softmax's denominator, undropped
+        if DROPOUT:
+            p = tl.where(keep(seed, rows[:, None], cols[None, :], T, dropout_p), p, 0.0)
+            p = p / (1.0 - dropout_p)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)  # (BLOCK_M, BLOCK_D)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+             stride_vb, stride_vh, stride_vt, stride_yb, stride_yh, stride_yt, H, T, scale, SEED,
+             dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
+             tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
+    dims = tl.arange(0, BLOCK_D)
+    in_q = (rows[:, None] < T) & (dims[None, :] < HS)
+    q_at = b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
+    q = tl.load(Q + q_at, mask=in_q, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seed = tl.load(SEED) + bh  # one random stream per (batch, head)
+    diagonal = tile * BLOCK_M  # keys before it are in the past of every row of the tile
+    acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
+                               scale, seed, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+    acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, diagonal,
+                               diagonal + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True,
+                               DROPOUT, PRECISION)
+    y = acc / l[:, None]
+    y_at = b * stride_yb + h * stride_yh + rows[:, None] * stride_yt + dims[None, :]
+    tl.store(Y + y_at, y.to(Y.dtype.element_ty), mask=in_q)
+    tl.store(LSE + bh * T + rows, m + tl.log(l), mask=rows < T)
+
+
+@triton.jit
+def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims, T, q_lo, q_hi,
+                 scale, seed, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED:
+                 tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dK and dV of one key tile from the query tiles [q_lo, q_hi), transposed: the tile's
+    rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
+    for q0 in range(q_lo, q_hi, BLOCK_M):
+        rows = q0 + tl.arange(0, BLOCK_M)  # query positions
+        in_q = (rows[:, None] < T) & (dims[None, :] < HS)
+        q = tl.load(Q + rows[:, None] * stride_qt + dims[None, :], mask=in_q, other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_dot + dims[None, :], mask=in_q, other=0.0)
+        lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
+        d = tl.load(D + rows, mask=rows < T, other=0.0)
+        s_t = mm(k, tl.trans(q), PRECISION) * scale  # S^T: (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2((s_t - lse[None, :]) * LOG2E)  # the forward's P, recomputed
+        if MASKED:
+            p_t = tl.where(visible(rows[None, :], cols[:, None]), p_t, 0.0)
+        dp_t = mm(v, tl.trans(do), PRECISION)  # dP^T = V dO^T
+        p_used = p_t  # P as the forward multiplied it into V: after dropout
+        if DROPOUT:
+            z = tl.where(keep(seed, rows[None, :], cols[:, None], T, dropout_p), 1.0, 0.0)
+            z = z / (1.0 - dropout_p)
+            p_used, dp_t = p_t * z, dp_t * z
+        dv += mm(p_used.to(do.dtype), do, PRECISION)  # P^T dO
+        ds_t = p_t * (dp_t - d[None, :])  # the softmax's backward
+        dk += mm(ds_t.to(q.dtype), q, PRECISION)  # dS^T Q (times the scale at the end)
+    return dk, dv
+
+
+@triton.jit
+def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb,
+                    stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
+                    stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS:
+                    tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
+                    tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
+    stride_o*, dK's and dV's stride_g*."""
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_ob + h * stride_oh
+    LSE += bh * T
+    D += bh * T
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
+    dims = tl.arange(0, BLOCK_D)
+    in_k = (cols[:, None] < T) & (dims[None, :] < HS)
+    k_at = b * stride_kb + h * stride_kh + cols[:, None] * stride_kt + dims[None, :]
+    v_at = b * stride_vb + h * stride_vh + cols[:, None] * stride_vt + dims[None, :]
+    k = tl.load(K + k_at, mask=in_k, other=0.0)
+    v = tl.load(V + v_at, mask=in_k, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    seed = tl.load(SEED) + bh
+    diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
+    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
+                          diagonal, diagonal + BLOCK_N, scale, seed, dropout_p, HS, BLOCK_M, True,
+                          DROPOUT, PRECISION)
+    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
+                          + BLOCK_N, T, scale, seed, dropout_p, HS, BLOCK_M, False, DROPOUT,
+                          PRECISION)
+    out = b * stride_gb + h * stride_gh + cols[:, None] * stride_gt + dims[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=in_k)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=in_k)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
+              dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT:
+              tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of one query tile from the key tiles [k_lo, k_hi)."""
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        cols = k0 + tl.arange(0, BLOCK_N)  # key positions
+        in_k = (cols[:, None] < T) & (dims[None, :] < HS)
+        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :], mask=in_k, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :], mask=in_k, other=0.0)
+        s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2((s - lse[:, None]) * LOG2E)  # the forward's P, recomputed
+        if MASKED:
+            p = tl.where(visible(rows[:, None], cols[None, :]), p, 0.0)
+        dp = mm(do, tl.trans(v), PRECISION)  # dP = dO V^T
+        if DROPOUT:
+            z = tl.where(keep(seed, rows[:, None], cols[None, :], T, dropout_p), 1.0, 0.0)
+            dp = dp * z / (1.0 - dropout_p)
+        ds = p * (dp - d[:, None])  # the softmax's backward
+        dq += mm(ds.to(k.dtype), k, PRECISION)  # dS K (times the scale at the end)
+    return dq
+
+
+@triton.jit
+def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+                 stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                 stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT:
+                 tl.constexpr, PRECISION: tl.constexpr):
+    """dQ of query tile program_id(0) of (batch, head) program_id(1); dO's strides are
+    stride_o*, dQ's stride_g*."""
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
+    dims = tl.arange(0, BLOCK_D)
+    in_q = (rows[:, None] < T) & (dims[None, :] < HS)
+    q_at = b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
+    do_at = b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + dims[None, :]
+    q = tl.load(Q + q_at, mask=in_q, other=0.0)
+    do = tl.load(DO + do_at, mask=in_q, other=0.0)
+    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+    d = tl.load(D + bh * T + rows, mask=rows < T, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seed = tl.load(SEED) + bh
+    diagonal = tile * BLOCK_M
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal, scale,
+                   seed, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
+                   + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION)
+    out = b * stride_gb + h * stride_gh + rows[:, None] * stride_gt + dims[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=in_q)
+
+
+# fmt: on
+
+
+# ----- launching: tiles, and the torch custom operator ------------------------------------------
+
+
+def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
+    """Launch configurations (BLOCK_M, BLOCK_N, warps, stages) for triton.autotune, which times
+    each on the first call per (T, head size, dtype) and keeps the fastest. The interpreter's
+    one: tiles of 16, so that the tests' short sequences cross several tiles."""
+    if INTERPRETED:
+        shapes = ((16, 16, 1, 1),)
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]  # fmt: skip
+
+
+# Each kernel's loops step through its diagonal tile in steps of the other tile, so the tile it
+# owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N.
+KEY = ["T", "HS"]
+forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
+backward_dk_dv = triton.autotune(tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY)(
+    _backward_dk_dv
+)
+backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(
+    _backward_dq
+)
+
+
+def _launch_args(q: torch.Tensor, *tensors: torch.Tensor) -> list[int]:
+    """The (batch, head, time) strides of each tensor; the last dimension must be dense."""
+    return [s for t in (q, *tensors) for s in t.stride()[:3]]
+
+
+def _dense_last(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _constants(q: torch.Tensor, dropout_p: float) -> dict:
+    """The compile-time constants every kernel takes, for q (B, nh, T, hs)."""
+    hs = q.size(-1)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # ieee: no TF32 for float32
+    return dict(HS=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), DROPOUT=dropout_p > 0,
+                PRECISION=precision)  # fmt: skip
+
+
+def _new_heads(q: torch.Tensor) -> torch.Tensor:
+    """An empty (B, nh, T, hs) tensor stored as (B, T, nh, hs): merging the heads after it,
+    y.transpose(1, 2).view(B, T, C), is then free."""
+    B, nh, T, hs = q.shape
+    return q.new_empty(B, T, nh, hs).transpose(1, 2)
+
+
+def _grid(tile: str, T: int, heads: int):
+    return lambda meta: (triton.cdiv(T, meta[tile]), heads)
+
+
+@torch.library.custom_op("causalgpt::triton_attention", mutates_args=())
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Y, LSE) of causal attention: Y (B, nh, T, hs) in q's dtype, LSE (B, nh, T) float32."""
+    q, k, v = _dense_last(q, k, v)
+    B, nh, T, hs = q.shape
+    y = _new_heads(q)
+    lse = torch.empty(B, nh, T, device=q.device, dtype=torch.float32)
+    forward[_grid("BLOCK_M", T, B * nh)](
+        q, k, v, y, lse, *_launch_args(q, k, v, y), nh, T, 1.0 / math.sqrt(hs), seed, dropout_p,
+        **_constants(q, dropout_p),
+    )  # fmt: skip
+    return y, lse
+
+
+@_attention.register_fake
+def _(q, k, v, dropout_p, seed):
+    return _new_heads(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("causalgpt::triton_attention_backward", mutates_args=())
+def _attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    y: torch.Tensor,
+    lse: torch.Tensor,
+    dropout_p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV from dO, the inputs, and the forward's Y and LSE."""
+    do, q, k, v = _dense_last(do, q, k, v)
+    B, nh, T, hs = q.shape
+    d = (do.float() * y.float()).sum(-1)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
+    dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
+    scale = 1.0 / math.sqrt(hs)
+    backward_dk_dv[_grid("BLOCK_N", T, B * nh)](
+        q, k, v, do, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
+        dropout_p, **_constants(q, dropout_p),
+    )  # fmt: skip
+    backward_dq[_grid("BLOCK_M", T, B * nh)](
+        q, k, v, do, dq, lse, d, *_launch_args(q, k, v, do, dq), nh, T, scale, seed, dropout_p,
+        **_constants(q, dropout_p),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@_attention_backward.register_fake
+def _(do, q, k, v, y, lse, dropout_p, seed):
+    return _new_heads(q), _new_heads(k), _new_heads(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, dropout_p, seed = inputs
+    y, lse = output
+    ctx.save_for_backward(q, k, v, y, lse)
+    ctx.dropout = (dropout_p, seed)
+
+
+def _backward(ctx, dy: torch.Tensor, dlse: torch.Tensor | None):
+    q, k, v, y, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(dy, q, k, v, y, lse, *ctx.dropout)
+    return dq, dk, dv, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q, k, v (B, nh, T, hs), query i at position i: (B, nh, T, hs), equal
+    to `causal_attention`'s output without storing S.
+
+    `seed` fixes the dropout masks; by default one is drawn from torch's global RNG (only when
+    dropout_p > 0, so reseeding torch reproduces them, as with F.dropout). It stays a tensor on
+    the device: no host sync, and no graph break under torch.compile.
+    """
+    if seed is not None:
+        seeds = torch.full((1,), seed, dtype=torch.int64, device=q.device)
+    elif dropout_p > 0:
+        seeds = torch.randint(2**31 - 1, (1,), device=q.device)
+    else:  # unused, and torch's RNG untouched
+        seeds = torch.zeros(1, dtype=torch.int64, device=q.device)
+    y, _ = _attention(q, k, v, dropout_p, seeds)
+    return y

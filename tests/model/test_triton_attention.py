@@ -1,0 +1,187 @@
+"""attention=triton: the Triton kernel computes the manual formula's outputs and gradients.
+
+On a CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+with 16 x 16 tiles, so these small shapes cross several tiles, the diagonal and a ragged end.
+What only a GPU shows (compiled kernels, the GPU tile sizes, speed) is checked by
+benchmarks/bench_attention.py --device cuda (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux only)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402, F401  (jit functions need it in their module)
+
+from base.errors import ConfigError  # noqa: E402
+from model import GPT  # noqa: E402
+from model import triton_attention as kernel  # noqa: E402
+from model.causality import find_leaks  # noqa: E402
+from model.gpt import causal_attention  # noqa: E402
+from model.triton_attention import triton_causal_attention  # noqa: E402
+from tests.conftest import run_script, tiny_config  # noqa: E402
+from tests.model.conftest import ARCHITECTURES  # noqa: E402
+
+TILE = 16  # the interpreter's tiles (model/triton_attention.tilings)
+
+
+def _qkv(B: int, H: int, T: int, hs: int, dtype=torch.float32):
+    return [torch.randn(B, H, T, hs, dtype=dtype, requires_grad=True) for _ in "qkv"]
+
+
+def _manual(q, k, v):
+    T = q.size(2)
+    return causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())[0]
+
+
+def _outputs_and_grads(attend, q, k, v, grad_out):
+    out = attend(q, k, v)
+    return [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
+
+
+@pytest.mark.parametrize(
+    "B,H,T,hs",
+    [
+        (1, 1, 1, 16),  # T = 1: one query, one key
+        (2, 3, 37, 16),  # T not a multiple of the tile: a ragged last tile, head size 16
+        (1, 2, TILE, 32),  # T = one tile exactly
+        (2, 2, 50, 8),  # head size below the 16 a tile needs: padded
+        (1, 1, 33, 96),  # head size 96: padded to 128
+        (1, 1, 18, 64),
+        (1, 1, 20, 128),
+    ],
+)
+def test_outputs_and_gradients_equal_manual_in_float32(B, H, T, hs):
+    torch.manual_seed(0)
+    q, k, v = _qkv(B, H, T, hs)
+    grad_out = torch.randn(B, H, T, hs)
+    got = _outputs_and_grads(triton_causal_attention, q, k, v, grad_out)
+    want = _outputs_and_grads(_manual, q, k, v, grad_out)
+    for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_errs_no_more_than_the_formula_in_that_precision(dtype):
+    """The matmuls take P and dS rounded to the half dtype (tensor cores' inputs, as
+    FlashAttention-2's), scores and sums stay float32. As FlashAttention's own tests measure it:
+    against the formula in float32, the error is within a small factor of the formula's own run
+    in the half dtype, which rounds at other points (S, and P after its softmax): 3 here, where
+    a wrong tile or mask errs by O(1)."""
+    torch.manual_seed(0)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _qkv(2, 3, 40, 32))
+    grad_out = torch.randn(2, 3, 40, 32).to(dtype)
+    got = _outputs_and_grads(triton_causal_attention, q, k, v, grad_out)
+    half = _outputs_and_grads(_manual, q, k, v, grad_out)
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    exact = _outputs_and_grads(_manual, *wide, grad_out.float())
+    assert all(t.dtype == dtype for t in got)
+    for name, a, h, e in zip(["Y", "dQ", "dK", "dV"], got, half, exact, strict=True):
+        error, formula_error = (a.float() - e).abs().max(), (h.float() - e).abs().max()
+        assert 0 < error <= 3 * formula_error, name
+
+
+def test_the_heads_of_a_fused_projection_are_read_through_their_strides():
+    """The model's q, k, v are views into one (B, T, 3C) projection, not contiguous tensors."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 21, 3 * 4 * 16, requires_grad=True)
+    heads = [t.view(2, 21, 4, 16).transpose(1, 2) for t in qkv.split(64, dim=2)]
+    grad_out = torch.randn(2, 4, 21, 16)
+    got = _outputs_and_grads(triton_causal_attention, *heads, grad_out)
+    want = _outputs_and_grads(_manual, *heads, grad_out)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@triton.jit
+def _one_position_late(q_pos, k_pos):
+    return k_pos <= q_pos + 1  # sees one key of the future
+
+
+@triton.jit
+def _one_tile_late(q_pos, k_pos):
+    return k_pos < q_pos - q_pos % 16 + 16  # the whole diagonal tile (TILE)
+
+
+@pytest.mark.parametrize("leak", [_one_position_late, _one_tile_late])
+def test_a_kernel_with_a_leaky_mask_fails_the_equality_and_the_causality_checks(monkeypatch, leak):
+    """Negative controls for this file's equality tests and test_causality's triton cases: a
+    mask off by one position, or the diagonal tile left unmasked, must be caught."""
+    torch.manual_seed(0)
+    q, k, v = _qkv(1, 2, 37, 16)
+    expected = _manual(q, k, v)
+    monkeypatch.setattr(kernel, "visible", leak)
+    assert not torch.allclose(triton_causal_attention(q, k, v), expected, atol=1e-3)
+    model = GPT(tiny_config(attention="triton", block_size=40)).eval()
+    assert find_leaks(model)
+
+
+@pytest.mark.parametrize("options", ["gpt2", "all"])
+def test_the_model_with_triton_gives_manual_logits_and_gradients(options):
+    torch.manual_seed(0)
+    manual = GPT(tiny_config(attention="manual", block_size=24, **ARCHITECTURES[options]))
+    fast = GPT(tiny_config(**{**ARCHITECTURES[options], "attention": "triton", "block_size": 24}))
+    fast.load_state_dict(manual.state_dict())
+    idx, targets = torch.randint(0, 101, (2, 24)), torch.randint(0, 101, (2, 24))
+    for model in (manual, fast):
+        model(idx, targets)[1].backward()
+    torch.testing.assert_close(fast(idx)[0], manual(idx)[0], atol=1e-5, rtol=0)
+    pairs = zip(manual.named_parameters(), fast.parameters(), strict=True)
+    for (name, p_manual), p_fast in pairs:
+        torch.testing.assert_close(p_fast.grad, p_manual.grad, atol=1e-5, rtol=0, msg=name)
+
+
+def test_dropout_is_manual_attention_with_the_kernels_masks():
+    """With V the identity, Y = (P * keep / (1 - p)) V is the dropped P itself: read the masks
+    out, then the formula with those masks must give the kernel's outputs and gradients for
+    any V, so the backward pass regenerated the forward's masks."""
+    torch.manual_seed(0)
+    p, seed, T, hs = 0.3, 123, 30, 32
+    q, k, v = _qkv(2, 2, T, hs)
+    eye = torch.eye(T, hs).expand(2, 2, T, hs)
+    dropped = triton_causal_attention(q, k, eye, dropout_p=p, seed=seed)[..., :T]  # (2, 2, T, T)
+    probs = causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())[1]
+    keep = dropped != 0
+    torch.testing.assert_close(dropped, probs * keep / (1 - p), atol=1e-6, rtol=1e-5)
+    assert keep[probs > 0].float().mean().item() == pytest.approx(1 - p, abs=0.05)
+    expected = (probs * keep / (1 - p)) @ v
+    out = triton_causal_attention(q, k, v, dropout_p=p, seed=seed)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), grad_out), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_masks_follow_torch_seed():
+    q, k, v = _qkv(1, 2, 20, 16)
+    torch.manual_seed(1)
+    a = triton_causal_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    b = triton_causal_attention(q, k, v, dropout_p=0.5)
+    c = triton_causal_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_torch_compile_traces_the_operator_without_a_graph_break():
+    q, k, v = _qkv(1, 2, 20, 16)
+    explained = torch._dynamo.explain(lambda *t: triton_causal_attention(*t).sum())(q, k, v)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+def test_without_a_gpu_or_the_interpreter_it_is_one_error_line(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = GPT(tiny_config(attention="triton")).eval()
+    with pytest.raises(ConfigError, match="needs|CUDA GPU, not on cpu.*TRITON_INTERPRET=1"):
+        model(torch.randint(0, 101, (1, 8)))
+    result = run_script("train.py", "model=nano", "model.attention=triton", cwd=tmp_path)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: model.attention=triton runs its kernel on a CUDA GPU, not on cpu")
+    )
+    assert not any(tmp_path.iterdir())  # no run directory left behind
