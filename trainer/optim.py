@@ -280,16 +280,17 @@ def lr_scale(
 
 
 def warmup_drop(settings: OptimSettings, max_steps: int | None, time_fraction: float) -> str | None:
-    """A warning for the step warmup ends at, `time_fraction` of the way through a time budget:
-    the decay goes on from where the clock is (see lr_scale), so a warmup that took much of the
+    """A warning for a warmup that ends `time_fraction` of the way through a time budget: the
+    decay goes on from where the clock is (see lr_scale), so a warmup that takes much of the
     budget hands over to a rate far below the peak; None when the drop is less than half."""
     after = lr_scale(settings.warmup_steps, settings, max_steps, time_fraction)
     if not settings.warmup_steps or after >= 0.5:
         return None
     return (
-        f"warning: warmup (optim.warmup_steps={settings.warmup_steps}) took {time_fraction:.0%} "
-        f"of train.max_seconds, so the learning rate falls from {settings.lr:g} to "
-        f"{after * settings.lr:.3g} at once; lower optim.warmup_steps or raise train.max_seconds"
+        f"warning: warmup (optim.warmup_steps={settings.warmup_steps}) ends {time_fraction:.0%} "
+        f"into train.max_seconds at this speed, where the learning rate falls from "
+        f"{settings.lr:g} to {after * settings.lr:.3g} at once; lower optim.warmup_steps or raise "
+        "train.max_seconds"
     )
 
 

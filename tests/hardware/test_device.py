@@ -90,6 +90,23 @@ def test_the_cpu_bfloat16_peak_is_float32s_times_the_probed_gain_never_below(mon
     assert peak_flops(Precision(CPU, FP32))[0] == 1e11
 
 
+def test_a_bfloat16_gain_probed_on_a_busy_machine_is_raised_when_measured_again(
+    monkeypatch, tmp_path
+):
+    """The gain is cached once per machine; a run that beats the peak asks again (remeasure):
+    the higher figure is kept, a lower one never replaces it."""
+    monkeypatch.setenv("CAUSALGPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(device_module, "measured_cpu_matmul_flops", lambda: 1e11)
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda: 1.2)  # probed under load
+    assert peak_flops(Precision(CPU, BF16))[0] == pytest.approx(1.2e11)
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda: 2.5)  # the quiet machine's
+    assert peak_flops(Precision(CPU, BF16))[0] == pytest.approx(1.2e11)  # cached: not asked
+    assert peak_flops(Precision(CPU, BF16), remeasure=True)[0] == pytest.approx(2.5e11)
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda: 1.0)
+    assert peak_flops(Precision(CPU, BF16), remeasure=True)[0] == pytest.approx(2.5e11)
+    assert peak_flops(Precision(CPU, BF16))[0] == pytest.approx(2.5e11)
+
+
 def test_the_cpu_peak_is_the_highest_measured_and_kept_in_the_cache(monkeypatch, tmp_path):
     """A peak measured on a busy machine reads low: measured once and cached, 67 GFLOP/s stood
     on a 2-core AMD EPYC whose quiet 1024 x 1024 matmul runs at ~200, and bench_train showed

@@ -19,6 +19,7 @@ from tests.trainer.wandb_records import logged
 from trainer.config import OptimSettings
 from trainer.loop import TrainingError, TrainingInterrupted
 from trainer.optim import Muon, build_optimizer
+from trainer.reporting import METRICS_FILE, read_metrics
 
 
 class Crash(Exception):
@@ -455,3 +456,26 @@ def test_final_eval_accepts_only_its_three_values():
         match=r"train.final_eval must be one of \['whole', 'periodic'",
     ):
         compose_run([], "train.final_eval=subset")
+
+
+def test_mfu_never_exceeds_100_percent_the_peak_is_measured_again_once(
+    tmp_path, corpus, monkeypatch
+):
+    """A CPU peak cached from a loaded machine reads below what a run achieves (MFU 228-288% in
+    a CPU speedrun): the run measures it again, once, and never reports a peak below a rate it
+    achieved. The measurements are injected: 1 FLOP/s cached, 2 when measured again."""
+    import trainer.loop as loop_module
+
+    asked = []
+
+    def injected_peak(precision, remeasure=False):
+        asked.append(remeasure)
+        return (2.0 if remeasure else 1.0), "injected"
+
+    monkeypatch.setattr(loop_module, "peak_flops", injected_peak)
+    trainer = make_trainer(tmp_path, corpus, "train.max_steps=4", "train.log_interval=1")
+    trainer.run()
+    mfu = [row["train_mfu"] for row in read_metrics(trainer.run_dir / METRICS_FILE)
+           if "train_mfu" in row]  # fmt: skip
+    assert asked == [False, True]
+    assert len(mfu) == 4 and mfu[0] == 1.0 and all(0 < m <= 1.0 for m in mfu)

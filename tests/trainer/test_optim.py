@@ -406,7 +406,7 @@ def test_a_warmup_that_took_most_of_the_time_budget_is_warned_of():
     settings = OptimSettings(lr=6e-4, min_lr=6e-5, warmup_steps=100)
     assert warmup_drop(settings, None, 0.1) is None  # 0.98 of the peak: no cliff
     warning = warmup_drop(settings, None, 0.9)
-    assert "optim.warmup_steps=100" in warning and "90% of train.max_seconds" in warning
+    assert "optim.warmup_steps=100" in warning and "ends 90% into train.max_seconds" in warning
     assert "falls from 0.0006 to 7.32e-05" in warning  # 6e-5 + 0.5 (1 + cos 0.9 pi) 5.4e-4
     assert warmup_drop(OptimSettings(schedule="constant", warmup_steps=100), None, 0.9) is None
 
@@ -421,11 +421,22 @@ class LateClock(Budget):
         return False
 
 
-def test_the_loop_warns_at_the_step_warmup_ends(tmp_path, corpus, capsys):
-    trainer = make_trainer(tmp_path, corpus, "train.max_seconds=1000", "optim.warmup_steps=3")
+def test_the_loop_warns_at_its_first_log_before_warmup_ends(tmp_path, corpus, capsys):
+    """From the measured step time, once, while the warmup still runs (it ends at step 5)."""
+    trainer = make_trainer(tmp_path, corpus, "train.max_seconds=1000", "optim.warmup_steps=5")
     trainer.budget = LateClock(trainer.cfg.train.max_steps, 1000)
     trainer.run()
     lines = capsys.readouterr().out.splitlines()
     warned = [i for i, line in enumerate(lines) if line.startswith("warning: warmup")]
-    # after the last warmup step (step 3, logged after it), before the first step at the drop
-    assert len(warned) == 1 and lines[warned[0] + 1].startswith("step 3 |")
+    first_log = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert warned == [first_log - 1] and int(lines[first_log].split()[1]) < 5
+
+
+def test_no_warmup_warning_when_the_budget_leaves_it_room(tmp_path, corpus, capsys):
+    """The negative control: the same run with the clock at 10% of the budget is quiet."""
+    trainer = make_trainer(tmp_path, corpus, "train.max_seconds=1000", "optim.warmup_steps=5")
+    trainer.budget = type("EarlyClock", (LateClock,), {"time_fraction": lambda self, e: 0.1})(
+        trainer.cfg.train.max_steps, 1000
+    )
+    trainer.run()
+    assert "warning: warmup" not in capsys.readouterr().out
