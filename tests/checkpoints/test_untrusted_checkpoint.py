@@ -266,7 +266,11 @@ def test_a_manifest_without_the_weights_is_refused(ckpt):
         (dict(n_embd=16.0), {}, "model.n_embd must be a positive integer, got 16.0"),
         (dict(dropout=[0.1]), {}, "model.dropout must be in [0, 1)"),
         (dict(bias="false"), {}, "model.bias must be true or false, got 'false'"),
-        (dict(attention="fast"), {}, "model.attention must be one of ['manual', 'sdpa', 'flash']"),
+        (
+            dict(attention="fast"),
+            {},
+            "model.attention must be one of ['manual', 'sdpa', 'flash', 'triton']",
+        ),
         (dict(n_embedding=16), {}, "unknown model config key(s) ['n_embedding']"),
         (dict(block_size=1 << 20), {}, "model.block_size must be at most 65,536"),
         ({}, dict(model=[16]), "model must be a JSON object"),

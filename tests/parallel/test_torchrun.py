@@ -210,3 +210,20 @@ def test_two_ranks_score_a_task_as_one_process(tmp_path, strategy):
     one = score_task(model_for(), task, CPU)
     assert two_ranks["items"] == one["items"] == 3
     assert two_ranks == pytest.approx(one, rel=1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ddp_and_fsdp_train_through_the_triton_kernel_as_through_manual(
+    ddp_run, tmp_path, corpus, strategy
+):
+    """attention=triton is a torch custom operator, so DDP's hooks and FSDP2's gathered
+    parameters see ordinary tensors. Under Triton's interpreter (tests/conftest.py, inherited by
+    the ranks) its 4 steps end at the weights of the manual-attention DDP run, as FSDP's do."""
+    run = tmp_path / "run"
+    args = [*RUN, *corpus, f"parallel.strategy={strategy}", "model.attention=triton"]
+    result = torchrun(ROOT / "train.py", *args, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_checkpoint(run / "checkpoints" / "last").model.config.attention == "triton"
+    reference = weights(ddp_run[0])
+    for name, tensor in weights(run).items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5, msg=name)
