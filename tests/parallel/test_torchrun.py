@@ -219,6 +219,7 @@ def test_ddp_and_fsdp_train_through_the_triton_kernel_as_through_manual(
     """attention=triton is a torch custom operator, so DDP's hooks and FSDP2's gathered
     parameters see ordinary tensors. Under Triton's interpreter (tests/conftest.py, inherited by
     the ranks) its 4 steps end at the weights of the manual-attention DDP run, as FSDP's do."""
+    pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux only)")
     run = tmp_path / "run"
     args = [*RUN, *corpus, f"parallel.strategy={strategy}", "model.attention=triton"]
     result = torchrun(ROOT / "train.py", *args, f"hydra.run.dir={run}", cwd=tmp_path)
