@@ -23,6 +23,7 @@ from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
+from model.gpt import unavailable_attention
 
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
 # forwards as many windows as keep them under this many (1 GB), whatever the batch size.
@@ -155,7 +156,10 @@ def evaluate_checkpoint(
     source = cfg["checkpoint"]
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
-    ckpt = load_source(find_checkpoint(None) if source is None else source, device)
+    source = find_checkpoint(None) if source is None else source
+    ckpt = load_source(source, device)
+    if ckpt.model.config.attention in unavailable_attention(device):  # triton's kernel, no GPU
+        ckpt = load_source(source, device, attention="sdpa")  # a run-time field: same function
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if "name" in (cfg["task"] or {}) or cfg["tasks"]:  # evals/tasks.py: loaded for tasks alone
         from evals.tasks import requested_tasks, score_tasks

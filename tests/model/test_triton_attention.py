@@ -185,3 +185,21 @@ def test_without_a_gpu_or_the_interpreter_it_is_one_error_line(monkeypatch, tmp_
         .startswith("error: model.attention=triton runs its kernel on a CUDA GPU, not on cpu")
     )
     assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
+def test_evaluate_py_scores_a_triton_checkpoint_through_sdpa_where_the_kernel_cannot_run(
+    monkeypatch, tmp_path
+):
+    """attention is a run-time field: a model trained with the kernel on a GPU is evaluated on a
+    CPU through sdpa, to the kernel's loss (scored here under the interpreter first)."""
+    from evals.loss import evaluate_checkpoint
+    from tests.conftest import TEXT, save_tiny_checkpoint
+
+    path, _ = save_tiny_checkpoint(tmp_path, attention="triton")
+    (tmp_path / "text.txt").write_text(TEXT * 3)
+    cfg = dict(checkpoint=str(path), text_file=str(tmp_path / "text.txt"), task=None, tasks=[])
+    cfg |= dict(batch_size=2, stride=None, device="cpu", dtype="float32")
+    with_kernel = evaluate_checkpoint(cfg, say=lambda line: None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    through_sdpa = evaluate_checkpoint(cfg, say=lambda line: None)
+    assert through_sdpa["loss"] == pytest.approx(with_kernel["loss"], abs=1e-5)
