@@ -98,8 +98,8 @@ def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 @triton.jit
 def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
              stride_vb, stride_vh, stride_vt, stride_yb, stride_yh, stride_yt, H, T, scale, SEED,
-             dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
-             tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+             dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -128,8 +128,8 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
 
 @triton.jit
 def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims, T, q_lo, q_hi,
-                 scale, seed, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED:
-                 tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                 scale, seed, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK and dV of one key tile from the query tiles [q_lo, q_hi), transposed: the tile's
     rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
     for q0 in range(q_lo, q_hi, BLOCK_M):
@@ -158,9 +158,9 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
 @triton.jit
 def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb,
                     stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
-                    stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS:
-                    tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
-                    tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                    stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
+                    HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dK's and dV's stride_g*."""
     tile, bh = tl.program_id(0), tl.program_id(1)
@@ -193,8 +193,8 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
-              dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT:
-              tl.constexpr, PRECISION: tl.constexpr):
+              dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query tile from the key tiles [k_lo, k_hi)."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
@@ -218,8 +218,8 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
                  stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT:
-                 tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
     tile, bh = tl.program_id(0), tl.program_id(1)
