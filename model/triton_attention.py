@@ -56,6 +56,21 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def rows_of(X, pos, dims, stride_t, T, HS: tl.constexpr):
+    """Rows `pos` of one (batch, head)'s X (T, HS): zeros past T (the ragged last tile) and past
+    HS (a head size padded to a power of two)."""
+    inside = (pos[:, None] < T) & (dims[None, :] < HS)
+    return tl.load(X + pos[:, None] * stride_t + dims[None, :], mask=inside, other=0.0)
+
+
+@triton.jit
+def store_rows(X, value, pos, dims, stride_t, T, HS: tl.constexpr):
+    """Write `value` to rows `pos` of one (batch, head)'s X (T, HS), inside its bounds."""
+    inside = (pos[:, None] < T) & (dims[None, :] < HS)
+    tl.store(X + pos[:, None] * stride_t + dims[None, :], value.to(X.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def visible(q_pos, k_pos):
     """The causal mask: query position q_pos may see key position k_pos iff k_pos <= q_pos."""
     return k_pos <= q_pos
@@ -76,9 +91,8 @@ def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
     crossing the diagonal (and the ragged end), where `visible` decides."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
-        in_k = (cols[:, None] < T) & (dims[None, :] < HS)
-        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :], mask=in_k, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :], mask=in_k, other=0.0)
+        k = rows_of(K, cols, dims, stride_kt, T, HS)  # (BLOCK_N, BLOCK_D)
+        v = rows_of(V, cols, dims, stride_vt, T, HS)
         s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
         if MASKED:
             s = tl.where(visible(rows[:, None], cols[None, :]), s, float("-inf"))
@@ -103,13 +117,12 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
     """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
     dims = tl.arange(0, BLOCK_D)
-    in_q = (rows[:, None] < T) & (dims[None, :] < HS)
-    q_at = b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
-    q = tl.load(Q + q_at, mask=in_q, other=0.0)
+    q = rows_of(Q, rows, dims, stride_qt, T, HS)  # (BLOCK_M, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -121,8 +134,7 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
                                diagonal + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True,
                                DROPOUT, PRECISION)
     y = acc / l[:, None]
-    y_at = b * stride_yb + h * stride_yh + rows[:, None] * stride_yt + dims[None, :]
-    tl.store(Y + y_at, y.to(Y.dtype.element_ty), mask=in_q)
+    store_rows(Y + b * stride_yb + h * stride_yh, y, rows, dims, stride_yt, T, HS)
     tl.store(LSE + bh * T + rows, m + tl.log(l), mask=rows < T)
 
 
@@ -134,9 +146,8 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
     rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
     for q0 in range(q_lo, q_hi, BLOCK_M):
         rows = q0 + tl.arange(0, BLOCK_M)  # query positions
-        in_q = (rows[:, None] < T) & (dims[None, :] < HS)
-        q = tl.load(Q + rows[:, None] * stride_qt + dims[None, :], mask=in_q, other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + dims[None, :], mask=in_q, other=0.0)
+        q = rows_of(Q, rows, dims, stride_qt, T, HS)  # (BLOCK_M, BLOCK_D)
+        do = rows_of(DO, rows, dims, stride_dot, T, HS)
         lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
         d = tl.load(D + rows, mask=rows < T, other=0.0)
         s_t = mm(k, tl.trans(q), PRECISION) * scale  # S^T: (BLOCK_N, BLOCK_M)
@@ -171,11 +182,8 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
     D += bh * T
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
     dims = tl.arange(0, BLOCK_D)
-    in_k = (cols[:, None] < T) & (dims[None, :] < HS)
-    k_at = b * stride_kb + h * stride_kh + cols[:, None] * stride_kt + dims[None, :]
-    v_at = b * stride_vb + h * stride_vh + cols[:, None] * stride_vt + dims[None, :]
-    k = tl.load(K + k_at, mask=in_k, other=0.0)
-    v = tl.load(V + v_at, mask=in_k, other=0.0)
+    k = rows_of(K + b * stride_kb + h * stride_kh, cols, dims, stride_kt, T, HS)  # the tile
+    v = rows_of(V + b * stride_vb + h * stride_vh, cols, dims, stride_vt, T, HS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     seed = tl.load(SEED) + bh
@@ -186,9 +194,9 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
                           + BLOCK_N, T, scale, seed, dropout_p, HS, BLOCK_M, False, DROPOUT,
                           PRECISION)
-    out = b * stride_gb + h * stride_gh + cols[:, None] * stride_gt + dims[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=in_k)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=in_k)
+    out = b * stride_gb + h * stride_gh
+    store_rows(DK + out, dk * scale, cols, dims, stride_gt, T, HS)
+    store_rows(DV + out, dv, cols, dims, stride_gt, T, HS)
 
 
 @triton.jit
@@ -198,9 +206,8 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
     """dQ of one query tile from the key tiles [k_lo, k_hi)."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
-        in_k = (cols[:, None] < T) & (dims[None, :] < HS)
-        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :], mask=in_k, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :], mask=in_k, other=0.0)
+        k = rows_of(K, cols, dims, stride_kt, T, HS)  # (BLOCK_N, BLOCK_D)
+        v = rows_of(V, cols, dims, stride_vt, T, HS)
         s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
         p = tl.math.exp2((s - lse[:, None]) * LOG2E)  # the forward's P, recomputed
         if MASKED:
@@ -228,11 +235,8 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
     V += b * stride_vb + h * stride_vh
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
     dims = tl.arange(0, BLOCK_D)
-    in_q = (rows[:, None] < T) & (dims[None, :] < HS)
-    q_at = b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
-    do_at = b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + dims[None, :]
-    q = tl.load(Q + q_at, mask=in_q, other=0.0)
-    do = tl.load(DO + do_at, mask=in_q, other=0.0)
+    q = rows_of(Q + b * stride_qb + h * stride_qh, rows, dims, stride_qt, T, HS)
+    do = rows_of(DO + b * stride_ob + h * stride_oh, rows, dims, stride_ot, T, HS)
     lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
     d = tl.load(D + bh * T + rows, mask=rows < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -242,8 +246,7 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                    seed, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
                    + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION)
-    out = b * stride_gb + h * stride_gh + rows[:, None] * stride_gt + dims[None, :]
-    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=in_q)
+    store_rows(DQ + b * stride_gb + h * stride_gh, dq * scale, rows, dims, stride_gt, T, HS)
 
 
 # fmt: on

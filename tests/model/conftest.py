@@ -74,3 +74,21 @@ def random_projections(model: GPT) -> GPT:
                 if name.endswith("c_proj.weight"):
                     p.normal_(0.0, 0.02)
     return model
+
+
+def assert_gives_manuals_logits_and_gradients(options: str, T: int, **attention) -> None:
+    """A GPT with the `ARCHITECTURES[options]` and `attention` fields (an implementation and its
+    settings) gives, on the manual model's weights, its logits and every parameter's gradient."""
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    manual = GPT(tiny_config(attention="manual", block_size=T, **ARCHITECTURES[options]))
+    other = GPT(tiny_config(**{**ARCHITECTURES[options], "block_size": T, **attention}))
+    other.load_state_dict(manual.state_dict())
+    idx, targets = torch.randint(0, 101, (2, T)), torch.randint(0, 101, (2, T))
+    for model in (manual, other):
+        model(idx, targets)[1].backward()
+    torch.testing.assert_close(other(idx)[0], manual(idx)[0], atol=1e-5, rtol=0)
+    pairs = zip(manual.named_parameters(), other.parameters(), strict=True)
+    for (name, p_manual), p_other in pairs:
+        torch.testing.assert_close(p_other.grad, p_manual.grad, atol=1e-5, rtol=0, msg=name)

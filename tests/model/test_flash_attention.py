@@ -10,7 +10,7 @@ from model.causality import find_leaks
 from model.flash_attention import flash_causal_attention, key_tiles, query_tiles, tile_keep_mask
 from model.gpt import causal_attention
 from tests.conftest import tiny_config
-from tests.model.conftest import ARCHITECTURES
+from tests.model.conftest import assert_gives_manuals_logits_and_gradients
 
 
 def _qkv(B: int, H: int, Tq: int, Tk: int, hs: int, dtype=torch.float32):
@@ -101,18 +101,8 @@ def test_causality_checks_catch_flash_without_its_diagonal_mask(monkeypatch):
 
 @pytest.mark.parametrize("options", ["gpt2", "all"])
 def test_the_model_with_flash_gives_manual_logits_and_gradients(options):
-    torch.manual_seed(0)
-    manual = GPT(tiny_config(attention="manual", **ARCHITECTURES[options]))
     tiles = dict(flash_block_q=4, flash_block_k=6)
-    flash = GPT(tiny_config(**{**ARCHITECTURES[options], "attention": "flash", **tiles}))
-    flash.load_state_dict(manual.state_dict())
-    idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
-    for model in (manual, flash):
-        model(idx, targets)[1].backward()
-    torch.testing.assert_close(flash(idx)[0], manual(idx)[0], atol=1e-5, rtol=0)
-    pairs = zip(manual.named_parameters(), flash.parameters(), strict=True)
-    for (name, p_manual), p_flash in pairs:
-        torch.testing.assert_close(p_flash.grad, p_manual.grad, atol=1e-5, rtol=0, msg=name)
+    assert_gives_manuals_logits_and_gradients(options, T=16, attention="flash", **tiles)
 
 
 def test_kv_cached_steps_over_several_tiles_match_the_full_forward():

@@ -23,7 +23,7 @@ from model.causality import find_leaks  # noqa: E402
 from model.gpt import causal_attention  # noqa: E402
 from model.triton_attention import triton_causal_attention  # noqa: E402
 from tests.conftest import run_script, tiny_config  # noqa: E402
-from tests.model.conftest import ARCHITECTURES  # noqa: E402
+from tests.model.conftest import assert_gives_manuals_logits_and_gradients  # noqa: E402
 
 TILE = 16  # the interpreter's tiles (model/triton_attention.tilings)
 
@@ -121,17 +121,7 @@ def test_a_kernel_with_a_leaky_mask_fails_the_equality_and_the_causality_checks(
 
 @pytest.mark.parametrize("options", ["gpt2", "all"])
 def test_the_model_with_triton_gives_manual_logits_and_gradients(options):
-    torch.manual_seed(0)
-    manual = GPT(tiny_config(attention="manual", block_size=24, **ARCHITECTURES[options]))
-    fast = GPT(tiny_config(**{**ARCHITECTURES[options], "attention": "triton", "block_size": 24}))
-    fast.load_state_dict(manual.state_dict())
-    idx, targets = torch.randint(0, 101, (2, 24)), torch.randint(0, 101, (2, 24))
-    for model in (manual, fast):
-        model(idx, targets)[1].backward()
-    torch.testing.assert_close(fast(idx)[0], manual(idx)[0], atol=1e-5, rtol=0)
-    pairs = zip(manual.named_parameters(), fast.parameters(), strict=True)
-    for (name, p_manual), p_fast in pairs:
-        torch.testing.assert_close(p_fast.grad, p_manual.grad, atol=1e-5, rtol=0, msg=name)
+    assert_gives_manuals_logits_and_gradients(options, T=24, attention="triton")  # 2 tiles
 
 
 def test_dropout_is_manual_attention_with_the_kernels_masks():
