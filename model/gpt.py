@@ -32,7 +32,7 @@ heads), and `pos_embedding: rope` rotates them by their positions (below).
 scaled_dot_product_attention with the same mask, as a reference and a speed comparison.
 `attention: flash` computes the same thing tile by tile without ever storing S, so its memory
 grows linearly with T (model/flash_attention.py); `attention: triton` is that algorithm as a GPU
-kernel (model/triton_attention.py), the fast path on a CUDA GPU. Decoding with a KV cache runs
+kernel (model/triton_attention.py), for CUDA GPUs. Decoding with a KV cache runs
 triton's few new queries through the manual lines. `probs` computes S by the formula, for any
 implementation (the attention plots and tests ask for it; the forward pass never does).
 """
@@ -453,8 +453,8 @@ class CausalSelfAttention(nn.Module):
             from model.flash_attention import flash_causal_attention  # only where it is used
 
             y = flash_causal_attention(q, k, v, *self.flash_blocks, dropout_p)  # (B, nh, T, hs)
-        elif self.impl == "triton":
-            if why := unavailable_attention(q.device).get("triton"):
+        elif self.impl == "triton":  # (a GPU needs no check: no work in a compiled step)
+            if q.device.type != "cuda" and (why := unavailable_attention(q.device).get("triton")):
                 raise ConfigError(why)
             from model.triton_attention import triton_causal_attention  # needs triton
 
