@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import ConfigError, boolean, check, hydra_main, is_int, user_errors
+from base.errors import boolean, check, hydra_main, is_int, user_errors
 from checkpoints.store import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
@@ -51,8 +51,6 @@ def run(cfg: dict[str, Any]) -> int:
     check("attention", attention, attention in ["all", *impls], f"all or one of {impls}")
     boolean("shrink", cfg["shrink"])
     device = resolve_device(cfg["device"])
-    if why := unavailable_attention(device).get(attention):
-        raise ConfigError(why)
     torch.manual_seed(cfg["seed"])  # the same initial weights, and so the same report, each run
     model, description = model_to_check(cfg)
     attention = None if attention == "all" else (attention,)

@@ -277,9 +277,9 @@ backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64,
 )
 
 
-def _launch_args(q: torch.Tensor, *tensors: torch.Tensor) -> list[int]:
+def _launch_args(*tensors: torch.Tensor) -> list[int]:
     """The (batch, head, time) strides of each tensor; the last dimension must be dense."""
-    return [s for t in (q, *tensors) for s in t.stride()[:3]]
+    return [s for t in tensors for s in t.stride()[:3]]
 
 
 def _dense_last(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -342,14 +342,14 @@ def _attention_backward(
     B, nh, T, hs = q.shape
     d = (do.float() * y.float()).sum(-1)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
-    scale = 1.0 / math.sqrt(hs)
+    scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p)
     backward_dk_dv[_grid("BLOCK_N", T, B * nh)](
         q, k, v, do, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
-        dropout_p, **_constants(q, dropout_p),
+        dropout_p, **constants,
     )  # fmt: skip
     backward_dq[_grid("BLOCK_M", T, B * nh)](
         q, k, v, do, dq, lse, d, *_launch_args(q, k, v, do, dq), nh, T, scale, seed, dropout_p,
-        **_constants(q, dropout_p),
+        **constants,
     )  # fmt: skip
     return dq, dk, dv
 

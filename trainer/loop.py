@@ -287,8 +287,7 @@ class Trainer:
             if cfg.train.init_from
             else None
         )
-        where = self.precision.device
-        self.causality = causality_guard(cfg, verbose=self.dist.is_main, model=model, device=where)
+        self.causality = causality_guard(cfg, self.dist.is_main, model, self.device)
         if model is not None:
             config = model.config
         else:  # `vocab_size: null` is the tokenizer's size

@@ -42,7 +42,10 @@ GUARD_LAYERS = 2
 
 
 def causality_guard(
-    cfg: RunConfig, verbose: bool = True, model: GPT | None = None, device: str = "cpu"
+    cfg: RunConfig,
+    verbose: bool = True,
+    model: GPT | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """The guard's record, kept in every checkpoint's metadata under "causality"; raises
     ConfigError naming where the leak enters, or why the attention cannot run on `device` (the
