@@ -39,6 +39,7 @@ from model.gpt import load_preset
 
 CLIENTS = (1, 4, 8, 16)
 SERVE_PY = Path(__file__).resolve().parents[1] / "serve.py"
+JSON = {"Content-Type": "application/json"}
 PARAMS = dict(temperature=0.8, top_k=200)
 
 
@@ -52,7 +53,7 @@ def completion(url: str, i: int, tokens: int) -> tuple[float, int]:
     body = dict(prompt=f"Request {i}:", max_tokens=tokens, seed=i, stream=True, **PARAMS)
     connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=600)
     start = time.perf_counter()
-    connection.request("POST", "/v1/completions", json.dumps(body).encode())
+    connection.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
     first, received = None, 0
     for line in connection.getresponse():
         if line.startswith(b"data: {"):

@@ -86,7 +86,7 @@ class Batcher:
                 self.wake.wait_for(lambda: self.active or self.waiting)
             try:
                 self.step()
-            except Exception:  # a bug: its traceback shown, its jobs ended, the others served
+            except Exception:  # the shared forward failed: its traceback shown, every job ended
                 traceback.print_exc()
                 with self.wake:
                     failed, self.active, self.waiting = self.active + self.waiting, [], []
@@ -118,9 +118,14 @@ class Batcher:
         x = self.decoder.hidden_states(newest, self.cache)
         logits = self.decoder.logits(x[:, -1]).masked_fill(self.padding, float("-inf"))
         for row, job in enumerate(jobs):
-            token = next_token(logits[row : row + 1], job.seq, job.params, job.generator)
-            job.seq = torch.cat([job.seq, token[:, None]], dim=1)
-            self._emit(job, int(token), logits[row])
+            try:
+                token = next_token(logits[row : row + 1], job.seq, job.params, job.generator)
+                job.seq = torch.cat([job.seq, token[:, None]], dim=1)
+                self._emit(job, int(token), logits[row])
+            except Exception:  # this job's own failure (its sampling, its text) ends it alone
+                traceback.print_exc()
+                job.cancelled = True
+                job.emit(job, "", -1, "error", None)
         return logits
 
     def _fill(self, row: int, job: Job) -> None:

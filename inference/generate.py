@@ -61,6 +61,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_probs, order = F.softmax(logits, dim=-1).sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # of strictly more likely tokens
     remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False  # even where p rounds to 0 in float32
     remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocabulary order
     return logits.masked_fill(remove, float("-inf"))
 
@@ -104,12 +105,16 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """The next token (B,) from last-position logits (B, V), given the tokens so far (B, T)
-    (for the repetition penalty). Randomness comes only from `generator`, for reproducibility."""
+    (for the repetition penalty). Randomness comes only from `generator`, for reproducibility.
+    Always a token the logits allow: where the settings leave no distribution (a temperature
+    or penalty so near 0 that the logits overflow and every probability is NaN), the greedy one,
+    their limit."""
     logits = logits.float()
     if params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    greedy = logits.argmax(dim=-1)
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        return greedy
     logits = logits / params.temperature
     filters = {top_k_filter: params.top_k, top_p_filter: params.top_p, min_p_filter: params.min_p}
     for keep, value in filters.items():  # in this order; None: that filter is off
@@ -127,7 +132,8 @@ def next_token(
     # u * total may round up to the total, past every entry: keep u below it, where the first
     # entry above u is still one that adds probability
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # c[i-1] <= u < c[i]: p_i > 0
+    drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # c[i-1] <= u < c[i]: p_i > 0
+    return torch.where(total.squeeze(-1) > 0, drawn, greedy)  # NaN > 0 is False
 
 
 def window_start(length: int, start: int | None, block_size: int) -> int:

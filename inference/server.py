@@ -8,9 +8,13 @@ position's next-token distribution moves when one token is replaced). GET /api/i
 model's shape, the limits and the jobs decoding and waiting. Nothing else is served.
 
 Safe by default: it binds 127.0.0.1; every request is bounded (body bytes, prompt tokens,
-max_tokens, n, jobs queued: 429 past it); an API key, when set, is required as `Authorization:
-Bearer <key>` on /v1 and /api; a client that hangs up cancels its jobs, which leave the batch at
-the next step; a bad request gets a 400 naming its field, never a traceback.
+max_tokens, n, jobs queued: 429 past it, page views too); an API key, when set, is required as
+`Authorization: Bearer <key>` on /v1 and /api; a client that hangs up cancels its jobs, which leave
+the batch at the next step; a bad request gets a 400 naming its field, never a traceback; one
+job's failure ends that job alone. A local server is reachable by every web page its user opens,
+so a request must name the server's own address as its Host (no DNS rebinding), come from no
+other origin, and carry JSON as application/json (a cross-site form cannot send it without the
+browser asking first); a client has `timeout_keep_alive` seconds to finish its headers.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import check, is_int, user_errors
-from checkpoints.store import find_checkpoint, load_source
+from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job
@@ -69,7 +75,7 @@ class CompletionRequest(Strict):
     """OpenAI's completion fields a base model can honour, and our own filters."""
 
     model: str | None = None
-    prompt: str | list[str] = ""
+    prompt: str | list[str]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -103,13 +109,36 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 class Server:
     """The model, its tokenizer, the batcher and the limits behind the app's routes."""
 
-    def __init__(self, model: GPT, tokenizer: tiktoken.Encoding, name: str, limits: dict):
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: tiktoken.Encoding,
+        name: str,
+        limits: dict,
+        hosts: set[str] | None,
+    ):
+        """hosts: the Host headers a request may carry (None: any, for a wildcard address)."""
         self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits
-        self.key = limits.pop("api_key")
+        self.key, self.hosts = limits.pop("api_key"), hosts
         self.batcher = Batcher(
             model, tokenizer.eot_token, tokenizer.n_vocab, limits["max_batch"], limits["max_queue"]
         )
+        # A prompt of more characters than this has more than max_prompt_tokens tokens: refused
+        # before it is tokenized
+        longest = max(map(len, map(tokenizer.decode_single_token_bytes, range(tokenizer.n_vocab))))
+        self.max_prompt_chars = limits["max_prompt_tokens"] * longest
+        self.views = ThreadPoolExecutor(1)  # the page's views, one at a time: each uses all cores
+        self.viewing = 0  # page views running or waiting
         self.page = PAGE.read_text(encoding="utf-8")
+
+    def admit(self, request: Request) -> None:
+        """Every route's gate: the server's own Host, no other origin (see the top)."""
+        host = request.headers.get("host", "")
+        if self.hosts is not None and host not in self.hosts:
+            raise ApiError(400, f"this server answers to {sorted(self.hosts)[0]}, not {host!r}")
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{host}":
+            raise ApiError(403, f"requests from other origins ({origin}) are refused")
 
     def authorize(self, request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -117,44 +146,60 @@ class Server:
             raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>")
 
     async def parse(self, request: Request, kind: type[Strict]) -> Any:
-        """The body as `kind`: at most max_body_bytes of JSON with exactly its fields."""
+        """The body as `kind`: at most max_body_bytes of JSON, sent as such, with exactly its
+        fields."""
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(415, f"send JSON as Content-Type: application/json, not {media!r}")
         body = b""
         try:
             async for chunk in request.stream():
                 body += chunk
-                if len(body) > self.limits["max_body_bytes"]:
-                    raise ApiError(413, f"the body is over {self.limits['max_body_bytes']} bytes")
+                if len(body) > (most := self.limits["max_body_bytes"]):
+                    # the rest is not read: the connection closes after the answer
+                    raise ApiError(413, f"the body is over {most} bytes", Connection="close")
         except ClientDisconnect:  # gone before its body came: nobody to answer
             raise ApiError(499, "the client closed the request") from None
         try:
-            return kind.model_validate(json.loads(body))
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError too
-            first = e.errors()[0] if isinstance(e, ValidationError) else None
-            if first is None:
-                raise ApiError(400, f"the body is not JSON: {e}") from None
-            param = ".".join(str(p) for p in first["loc"][:1]) or None
+            fields = json.loads(body)
+        except (ValueError, RecursionError) as e:  # bad UTF-8 too; RecursionError: [[[[...
+            raise ApiError(400, f"the body is not JSON: {str(e)[:80]}") from None
+        if not isinstance(fields, dict):
+            raise ApiError(400, f"the body must be a JSON object, not {type(fields).__name__}")
+        try:
+            return kind.model_validate(fields)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"][:1])
             shown = repr(first["input"])[:60]
             raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's tokens (sample.py's: <|endoftext|> for an empty one), within the limit."""
+        limit = self.limits["max_prompt_tokens"]
+        if len(prompt) > self.max_prompt_chars:
+            raise ApiError(
+                400, f"prompt is {len(prompt)} characters, over {limit} tokens", "prompt"
+            )
         ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
-        if len(ids) > (limit := self.limits["max_prompt_tokens"]):
+        if len(ids) > limit:
             raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {limit}", "prompt")
         return ids
 
     def jobs(self, req: CompletionRequest, prompts: list[str], emit: Any) -> list[Job]:
         """One job per prompt and choice (index prompt * n + choice; seed + index), checked
-        against the limits."""
+        against the limits. It tokenizes: run it off the event loop."""
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        for param, value, limit in [
-            ("max_tokens", req.max_tokens, self.limits["max_tokens"]),
-            ("n", req.n, self.limits["max_n"]),
-            ("prompt", len(prompts), self.limits["max_n"]),
-            ("stop", len(stop), 4),
+        held = self.limits["max_batch"] + self.limits["max_queue"]
+        for param, value, limit, what in [
+            ("max_tokens", req.max_tokens, self.limits["max_tokens"], ""),
+            ("n", req.n, self.limits["max_n"], ""),
+            ("prompt", len(prompts), self.limits["max_n"], ""),
+            ("stop", len(stop), 4, ""),
+            ("n", len(prompts) * req.n, held, " completions (n x prompts), max_batch + max_queue"),
         ]:
             if value > limit:
-                raise ApiError(400, f"{param} is at most {limit}, got {value}", param)
+                raise ApiError(400, f"{param} is at most {limit}{what}, got {value}", param)
         if not prompts or not all(stop):
             param = "stop" if prompts else "prompt"
             raise ApiError(400, f"{param} must not be empty", param)
@@ -201,7 +246,7 @@ class Server:
             loop.call_soon_threadsafe(events.put_nowait, choice)
 
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        jobs = self.jobs(req, prompts, emit)
+        jobs = await asyncio.to_thread(self.jobs, req, prompts, emit)
         if not self.batcher.submit(jobs):
             raise ApiError(
                 429, "the server is full; retry in a moment", None, **{"Retry-After": "1"}
@@ -239,7 +284,8 @@ class Server:
 
         if req.stream:
             return StreamingResponse(stream(), media_type="text/event-stream")
-        watcher = asyncio.ensure_future(_hang_up(request, events))
+        watcher = asyncio.ensure_future(_hang_up(request))
+        watcher.add_done_callback(lambda _: events.put_nowait(None))  # ends the wait below
         try:
             pieces = [choice async for choice in choices()]
         finally:
@@ -262,6 +308,27 @@ class Server:
             prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
         )
         return {**head, "choices": merged, "usage": usage}
+
+    async def view(self, request: Request, kind: type[Strict], show: Callable) -> dict:
+        """A page view `show(body)` on the views' thread, bounded as completions are: past
+        max_queue waiting, a 429; a view whose client leaves before its turn never runs."""
+        req = await self.parse(request, kind)
+        if self.viewing > self.limits["max_queue"]:
+            raise ApiError(
+                429, "the page's views are busy; retry in a moment", **{"Retry-After": "1"}
+            )
+        self.viewing += 1
+        work = asyncio.get_running_loop().run_in_executor(self.views, show, req)
+        gone = asyncio.ensure_future(_hang_up(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ApiError(499, "the client closed the request")
+            return work.result()
+        finally:
+            work.cancel()  # a view not yet started never starts
+            gone.cancel()
+            self.viewing -= 1
 
     def attention(self, req: AttentionRequest) -> dict:
         """S of every head of every layer over the text's first page_tokens tokens."""
@@ -309,14 +376,49 @@ class Server:
         c = self.model.config
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
-        return {"model": self.name, **shape, "limits": self.limits, **self.batcher.counts()}
+        views = {"views": self.viewing}
+        return {
+            "model": self.name,
+            **shape,
+            "limits": self.limits,
+            **self.batcher.counts(),
+            **views,
+        }
 
 
-async def _hang_up(request: Request, events: asyncio.Queue) -> None:
-    """Wait for the client to disconnect (the body is read by now), then end the wait."""
+async def _hang_up(request: Request) -> None:
+    """Return when the client disconnects (the body is read by now)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    events.put_nowait(None)
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1, where a request's headers must be complete `timeout_keep_alive`
+    seconds after the connection opens or the last answer ends: uvicorn's own timer restarts at
+    every byte, so a client sending headers a byte at a time (slowloris) would hold its
+    connection for ever."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.deadline = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.deadline = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # a request's headers are in
+            self.deadline.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.deadline.cancel()
+        super().connection_lost(exc)
 
 
 def cancel(jobs: list[Job]) -> None:
@@ -327,7 +429,13 @@ def cancel(jobs: list[Job]) -> None:
 
 def create_app(server: Server) -> FastAPI:
     """The routes; no file but the page, no OpenAPI docs (their pages load from the internet)."""
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,  # a redirect names the Host: no redirects at all
+        dependencies=[Depends(server.admit)],
+    )
     api = APIRouter(dependencies=[Depends(server.authorize)])
 
     @app.exception_handler(ApiError)
@@ -356,13 +464,11 @@ def create_app(server: Server) -> FastAPI:
 
     @api.post("/api/attention")
     async def attention(request: Request) -> dict:
-        req = await server.parse(request, AttentionRequest)
-        return await asyncio.to_thread(server.attention, req)
+        return await server.view(request, AttentionRequest, server.attention)
 
     @api.post("/api/causality")
     async def causality(request: Request) -> dict:
-        req = await server.parse(request, CausalityRequest)
-        return await asyncio.to_thread(server.causality, req)
+        return await server.view(request, CausalityRequest, server.causality)
 
     app.include_router(api)
     return app
@@ -394,20 +500,45 @@ def main(cfg: Mapping[str, Any]) -> int:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         device = resolve_device(str(cfg["device"]))
         dtype = decoding_dtype(str(cfg["dtype"]), device)
+        check(
+            "name", cfg["name"], cfg["name"] is None or str(cfg["name"]), "a non-empty id or null"
+        )
+        ipv6 = ":" in host
+        sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET
+        )
         source = cfg["checkpoint"] or find_checkpoint(None)  # null: the newest run
         ckpt = load_source(source, device, attention="manual")  # the mask explicit: see causality
         model = ckpt.model.to(dtype).eval()
         block = model.config.block_size
         values["max_prompt_tokens"] = min(values["max_prompt_tokens"] or block, block)
         values["page_tokens"] = min(values["page_tokens"], block)
-        server = Server(model, ckpt.tokenizer(), str(source), values)
-        ipv6 = ":" in host
-        sock = socket.create_server(
-            (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET
-        )
+        name = cfg["name"] or model_name(str(source), ckpt.path)
+        where = f"{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
+        server = Server(model, ckpt.tokenizer(), str(name), values, allowed_hosts(host, where))
     server.batcher.start()
-    where = f"http://{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
-    print(f"serving {server.name} on {where} (the page: {where}/)", flush=True)
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1)
+    print(f"serving {server.name} on http://{where} (the page: http://{where}/)", flush=True)
+    config = uvicorn.Config(
+        create_app(server), http=HeaderDeadline, log_level="warning", timeout_graceful_shutdown=1
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def model_name(source: str, path: Path) -> str:
+    """The model id clients see: a GPT-2 name as given, else the run directory's name (a
+    checkpoint's path is <run>/checkpoints/<name>), else the model directory's."""
+    if source in GPT2_NAMES:
+        return source
+    path = Path(path).resolve()
+    return path.parents[1].name if path.parent.name == "checkpoints" else path.name
+
+
+def allowed_hosts(host: str, where: str) -> set[str] | None:
+    """The Host headers a request may carry: the address served (`where`, host:port), and on
+    loopback its other names; None (any) for a wildcard address, which has no one name."""
+    if host in ("0.0.0.0", "::"):
+        return None
+    port = where.rsplit(":", 1)[1]
+    names = ["127.0.0.1", "localhost", "[::1]"] if host in LOOPBACK else [where.rsplit(":", 1)[0]]
+    return {f"{name}:{port}" for name in names}

@@ -70,7 +70,7 @@ PID=$!
 for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
 URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
 [ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
-python -c 'import sys, urllib.request as r; print(r.urlopen(sys.argv[1], b"{\"prompt\": \"**ROMEO**\", \"max_tokens\": 5}").read().decode())' \
+python -c 'import sys, urllib.request as r; print(r.urlopen(r.Request(sys.argv[1], b"{\"prompt\": \"**ROMEO**\", \"max_tokens\": 5}", {"Content-Type": "application/json"})).read().decode())' \
     "$URL/v1/completions" > completion.out || { kill "$PID"; cat serve.out; fail "the completion failed"; }
 kill "$PID"
 expect completion.out '"finish_reason": ?"length"' "serve.py's completion"

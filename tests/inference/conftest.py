@@ -6,8 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,10 +17,12 @@ from urllib.parse import urlsplit
 
 import pytest
 import torch
+import uvicorn
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from checkpoints.store import save_checkpoint
+from inference.server import HeaderDeadline, Server, create_app
 from model import GPT, GPTConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -116,11 +120,15 @@ def server(start_server) -> str:
     return start_server()[0]
 
 
+JSON = {"Content-Type": "application/json"}  # what the API accepts
+
+
 def request(url: str, method: str, path: str, body=None, headers=None, parse=json.loads):
-    """(status, headers, parsed JSON) of one raw HTTP request; body: bytes, or JSON-able."""
+    """(status, headers, parsed JSON) of one raw HTTP request; body: bytes, or JSON-able, sent
+    as application/json unless `headers` say otherwise."""
     connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    connection.request(method, path, data, headers or {})
+    connection.request(method, path, data, {**JSON, **(headers or {})})
     response = connection.getresponse()
     answer = (response.status, response.headers, parse(response.read()))
     connection.close()
@@ -136,3 +144,25 @@ def wait_until_idle(url: str) -> dict:
             return info
         time.sleep(0.02)
     raise AssertionError(f"the server still holds jobs: {info}")
+
+
+@pytest.fixture
+def serve_in_process() -> Iterator[Callable[[Server], str]]:
+    """serve_in_process(server) -> the base URL of create_app(server), served by uvicorn on a
+    thread of this process (so a test can reach into the Server) on a free local port; stopped
+    at the test's end. The socket listens before the thread starts: no wait for readiness."""
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(server: Server) -> str:
+        sock = socket.create_server(("127.0.0.1", 0))
+        config = uvicorn.Config(create_app(server), http=HeaderDeadline, log_level="warning")
+        served = uvicorn.Server(config)
+        thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        running.append((served, thread))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    for served, thread in running:
+        served.should_exit = True
+        thread.join(timeout=60)

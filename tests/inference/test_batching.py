@@ -88,26 +88,56 @@ def test_a_cancelled_job_leaves_and_a_full_batcher_refuses(model):
     assert batcher.active == [jobs[1], jobs[2]]  # the last row moved up; the joiner came last
 
 
-def test_a_failing_step_ends_its_jobs_and_the_worker_serves_on(model):
-    """A bug inside a step (here a job's callback raising) ends the jobs it held with
-    finish_reason "error"; the worker thread lives on and decodes the next job."""
-    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
-    batcher.start()
-    reasons: dict[int, list[str]] = {0: [], 1: []}
-    ended = {0: threading.Event(), 1: threading.Event()}
+def _watched(jobs: list[Job], broken: set[int]) -> tuple[list[Job], dict, dict]:
+    """The jobs with callbacks recording each one's finish reasons and ending event; job i in
+    `broken` has a callback that raises on every token (a bug in its own handling)."""
+    reasons = {i: [] for i in range(len(jobs))}
+    ended = {i: threading.Event() for i in range(len(jobs))}
 
     def emit(which: int, job: Job, text: str, token: int, reason: str | None, logits) -> None:
-        if which == 0 and reason != "error":
+        if which in broken and reason != "error":
             raise RuntimeError("a bug in a callback")
         if reason is not None:
             reasons[which].append(reason)
             ended[which].set()
 
-    broken, good = (
-        dataclasses.replace(j, emit=functools.partial(emit, i))
-        for i, j in enumerate(_jobs(model)[:2])
+    watched = [dataclasses.replace(j, emit=functools.partial(emit, i)) for i, j in enumerate(jobs)]
+    return watched, reasons, ended
+
+
+def test_a_failing_job_ends_alone_and_its_neighbours_decode_on(model):
+    """A job whose own handling raises (its callback, here) ends with finish_reason "error";
+    the job beside it in the batch decodes all its tokens, stream_tokens' for its seed."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
+    batcher.start()
+    (broken, good), reasons, ended = _watched(_jobs(model)[:2], broken={0})
+    assert batcher.submit([broken, good])
+    assert ended[0].wait(120) and ended[1].wait(120)
+    assert reasons == {0: ["error"], 1: ["length"]}
+    _, max_tokens, params, seed = SETTINGS[1]
+    steps = stream_tokens(
+        model, torch.tensor([good.ids]), max_tokens, params, torch.Generator().manual_seed(seed)
     )
-    assert batcher.submit([broken])
-    assert ended[0].wait(120) and reasons[0] == ["error"]
-    assert batcher.submit([good])
-    assert ended[1].wait(120) and reasons[1] == ["length"] and len(good.tokens) == good.max_tokens
+    assert good.tokens == [int(t) for t in steps]
+
+
+def test_a_failing_forward_ends_its_jobs_and_the_worker_serves_on(model, monkeypatch):
+    """A failure in the forward all rows share ends every job it held with "error"; the worker
+    thread lives on and decodes the next job."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
+    (first, second, later), reasons, ended = _watched(_jobs(model)[:3], broken=set())
+    forward = batcher.decoder.hidden_states
+    calls = iter(range(10**6))
+
+    def fails_once(*args, **kwargs):
+        if next(calls) == 1:  # the first step's forward (call 0: job 0's fill; job 1 needs none)
+            raise RuntimeError("a failing forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(batcher.decoder, "hidden_states", fails_once)
+    assert batcher.submit([first, second])
+    batcher.start()
+    assert ended[0].wait(120) and ended[1].wait(120)
+    assert reasons[0] == reasons[1] == ["error"]
+    assert batcher.submit([later])
+    assert ended[2].wait(120) and reasons[2] == ["length"] and len(later.tokens) == later.max_tokens

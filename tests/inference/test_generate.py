@@ -4,6 +4,7 @@ CPU, decoding runs on the thread count measured faster, with the same logits at 
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -260,6 +261,26 @@ def test_low_temperature_concentrates_on_the_most_likely_token():
         1,
         2,
     }
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-40),  # logits / 1e-40 overflow: every probability NaN
+        SamplingParams(repetition_penalty=1e-40),  # the seen token's logit overflows to inf
+        SamplingParams(top_p=1e-46),  # rounds to 0 in float32: it removed every token
+        SamplingParams(temperature=1e-40, top_k=2, top_p=1e-46, min_p=1.0),
+    ],
+)
+def test_settings_near_zero_draw_the_greedy_token_never_one_past_the_vocabulary(params):
+    """Valid settings whose arithmetic leaves no distribution draw their limit, the greedy
+    token of the (penalised) logits, in every row: never an id past the vocabulary."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 1.0, 0.0, 2.5]])
+    context = torch.tensor([[1], [3]])
+    greedy = next_token(logits, context, dataclasses.replace(params, temperature=0))
+    drawn = next_token(logits, context, params, torch.Generator().manual_seed(0))
+    assert drawn.tolist() == greedy.tolist()
+    assert greedy.tolist() == [1, 3]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.inference.conftest import wait_until_idle
+from tests.inference.conftest import JSON, wait_until_idle
 
 REQUESTS, CLIENTS = 200, 16
 
@@ -33,7 +33,7 @@ def send(url: str, i: int) -> tuple[int, str | None]:
     body = dict(prompt=f"Request {k}:", max_tokens=8 + k % 24, seed=k, echo=True, stream=stream)
     connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=300)
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body).encode())
+        connection.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
         if hang_up and not stream:
             return 0, None  # gone before the answer
         response = connection.getresponse()

@@ -6,17 +6,23 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import openai
 import pytest
+import torch
 
+from data.tokenizer import get_tokenizer
 from inference.cli import run
-from tests.inference.conftest import SERVE_PY, request, wait_until_idle
+from inference.server import Server
+from model import GPT, GPTConfig
+from tests.inference.conftest import JSON, SERVE_PY, request, wait_until_idle
 
 
 def client(url: str, key: str = "none") -> openai.OpenAI:
@@ -35,7 +41,7 @@ def test_a_completion_through_the_openai_client(server):
     assert done.usage.completion_tokens == 8
     assert done.usage.prompt_tokens == 5 and done.usage.total_tokens == 13  # To, be, ",", or, not
     models = client(server).models.list()
-    assert [m.id for m in models.data] == [done.model]
+    assert [m.id for m in models.data] == [done.model] == ["run"]  # the run directory's name
 
 
 def test_the_same_tokens_as_sample_py(server, serve_checkpoint, sample_cfg):
@@ -124,7 +130,7 @@ def test_a_client_that_hangs_up_frees_its_place(server, stream):
     leaves the batch, and the server answers the next request."""
     connection = http.client.HTTPConnection(urlsplit(server).netloc, timeout=120)
     body = {"prompt": "Hello", "max_tokens": 1000, "stream": stream}
-    connection.request("POST", "/v1/completions", json.dumps(body).encode())
+    connection.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
     if stream:
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: {")
@@ -146,7 +152,10 @@ TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
     [
         (b'{"prompt": "Hi", "max_tokens": ', 400, None, "not JSON"),
         (b"\xff\xfe not utf-8", 400, None, "not JSON"),
-        (b'["a", "list"]', 400, None, "valid dictionary"),
+        (b'["a", "list"]', 400, None, "must be a JSON object, not list"),
+        (b"[" * 10_000 + b"]" * 10_000, 400, None, "not JSON"),  # nested past Python's stack
+        ({"max_tokens": 5}, 400, "prompt", "Field required"),
+        ({"prompt": "x" * (32 * 128 + 1)}, 400, "prompt", "4097 characters, over 32 tokens"),
         ({"prompt": "Hi", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
         ({"prompt": 5}, 400, "prompt", "valid string"),
         ({"prompt": "Hi", "stream": "yes"}, 400, "stream", "valid boolean"),
@@ -166,7 +175,8 @@ TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
     ],
 )
 def test_a_bad_request_gets_openais_error_shape(server, body, status, param, says):
-    code, _, answer = request(server, "POST", "/v1/completions", body)
+    code, headers, answer = request(server, "POST", "/v1/completions", body)
+    assert headers.get("connection") == ("close" if status == 413 else None)  # the rest unread
     assert code == status
     assert set(answer) == {"error"} and answer["error"]["type"] == "invalid_request_error"
     assert answer["error"]["param"] == param
@@ -203,11 +213,19 @@ def test_the_api_key_is_required_when_set(start_server):
 
 
 def test_a_full_queue_answers_429_with_retry_after(start_server):
-    """One completion at a time and none waiting: while one streams, the next is refused."""
-    url, _ = start_server("max_batch=1", "max_queue=0", "api_key=k")
+    """One completion at a time and none waiting: while one streams, the next is refused; a
+    request for more completions than the server holds at once is a 400 that says so."""
+    url, _ = start_server("max_batch=1", "max_queue=0", "api_key=k", "name=bard")
+    key = {"Authorization": "Bearer k"}
+    status, _, answer = request(url, "POST", "/v1/completions", {"prompt": "Hi", "n": 2}, key)
+    assert status == 400 and answer["error"]["param"] == "n"
+    assert (
+        "at most 1 completions (n x prompts), max_batch + max_queue" in answer["error"]["message"]
+    )
+    assert request(url, "GET", "/v1/models", headers=key)[2]["data"][0]["id"] == "bard"
     connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
     body = json.dumps({"prompt": "Hello", "max_tokens": 1000, "stream": True}).encode()
-    connection.request("POST", "/v1/completions", body, {"Authorization": "Bearer k"})
+    connection.request("POST", "/v1/completions", body, {**JSON, "Authorization": "Bearer k"})
     assert connection.getresponse().readline().startswith(b"data: {")
     status, headers, answer = request(
         url, "POST", "/v1/completions", {"prompt": "Hi"}, {"Authorization": "Bearer k"}
@@ -265,3 +283,119 @@ def test_the_pages_endpoints_are_bounded_and_show_causality(server):
         path = "/api/attention" if "text" in bad else "/api/causality"
         status, _, answer = request(server, "POST", path, bad)
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_extreme_settings_end_their_own_request_and_spare_the_others(server):
+    """Valid settings that leave no distribution (temperature, penalty or top_p near 0) draw
+    the greedy token; a stream decoding beside them ends with all its tokens and no error."""
+    connection = http.client.HTTPConnection(urlsplit(server).netloc, timeout=120)
+    body = {"prompt": "Hello", "max_tokens": 300, "stream": True, "seed": 1}
+    connection.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
+    response = connection.getresponse()
+    events = [response.readline()]  # the stream decodes from here on
+    greedy = complete(server, prompt="x", max_tokens=4, temperature=0).choices[0]
+    for extreme in (
+        {"temperature": 1e-40},
+        {"top_p": 1e-46},
+        {"extra_body": {"repetition_penalty": 1e-40}},
+    ):
+        done = complete(server, prompt="x", max_tokens=4, **extreme).choices[0]
+        assert done.finish_reason == "length"
+        if "extra_body" not in extreme:  # the penalty changes which token is greedy
+            assert done.text == greedy.text
+    events += [line for line in response if line.startswith(b"data: ")]
+    connection.close()
+    assert events[-1] == b"data: [DONE]\n" and len(events) == 300 + 1
+    assert b'"finish_reason": "length"' in events[-2] and b"error" not in b"".join(events)
+
+
+@pytest.mark.parametrize(
+    "path, headers, status, says",
+    [
+        ("/v1/models", {"Host": "evil.example"}, 400, "answers to"),  # DNS rebinding
+        ("/", {"Host": "evil.example:80"}, 400, "answers to"),
+        ("/v1/models", {"Origin": "http://evil.example"}, 403, "other origins"),
+        ("/v1/models", {"Origin": "null"}, 403, "other origins"),
+        ("/v1/models/", {}, 404, "Not Found"),  # no redirect (it would name the Host)
+    ],
+)
+def test_only_the_servers_own_address_and_origin_are_answered(server, path, headers, status, says):
+    code, answer_headers, answer = request(server, "GET", path, headers=headers)
+    assert code == status and says in answer["error"]["message"]
+    assert "location" not in answer_headers
+
+
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_body_not_sent_as_json_is_refused(server, media):
+    """What a cross-site form can send without the browser asking first is refused."""
+    body = {"prompt": "Hi", "max_tokens": 1}
+    status, _, answer = request(server, "POST", "/v1/completions", body, {"Content-Type": media})
+    assert status == 415 and "application/json" in answer["error"]["message"]
+
+
+def test_the_same_origin_and_the_loopback_names_are_answered(server):
+    netloc = urlsplit(server).netloc
+    port = netloc.rsplit(":", 1)[1]
+    for headers in ({"Origin": server}, {"Host": f"localhost:{port}"}, {"Host": netloc}):
+        assert request(server, "GET", "/v1/models", headers=headers)[0] == 200
+    body = {"prompt": "Hi", "max_tokens": 1}
+    charset = {"Content-Type": "Application/JSON; charset=utf-8", "Origin": server}
+    assert request(server, "POST", "/v1/completions", body, charset)[0] == 200
+
+
+def test_a_413_and_unfinished_headers_close_the_connection(server):
+    """A body past the limit is answered and its connection closed (the rest is never read);
+    headers that never finish are cut off after timeout_keep_alive (uvicorn's 5 s), not kept."""
+    address = urlsplit(server).hostname, urlsplit(server).port
+    with socket.create_connection(address, timeout=60) as sock:
+        body = b"{" + b" " * 1_000_001 + b"}"
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
+        sock.sendall(f"{head}Content-Type: application/json\r\n".encode())
+        sock.sendall(f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))  # to the server's close
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 1000000 bytes" in answer
+    with socket.create_connection(address, timeout=60) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no end
+        assert sock.recv(1) == b""  # closed by the server; a timeout (60 s) fails the test
+
+
+def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in_process):
+    """One view runs at a time (here held at an exact point); past max_queue waiting, a 429
+    with Retry-After; a waiting view whose client hangs up leaves the queue and never runs."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    limits = dict(max_batch=1, max_queue=1, max_tokens=8, max_n=1, max_body_bytes=10_000)
+    limits |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None)
+    server = Server(model.eval(), get_tokenizer("gpt2"), "m", limits, hosts=None)
+    entered, release, shown = threading.Event(), threading.Event(), []
+
+    def held_view(req):  # the view, stopped where it starts until the test releases it
+        shown.append(req.text)
+        entered.set()
+        assert release.wait(60)
+        return {"text": req.text}
+
+    server.attention = held_view
+    url = serve_in_process(server)
+
+    def views() -> int:
+        return request(url, "GET", "/api/info")[2]["views"]
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(request, url, "POST", "/api/attention", {"text": "a"})
+        assert entered.wait(60)  # "a" runs
+        waiting = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
+        waiting.request("POST", "/api/attention", json.dumps({"text": "b"}).encode(), JSON)
+        while views() < 2:  # "b" is queued
+            time.sleep(0.01)
+        status, headers, answer = request(url, "POST", "/api/attention", {"text": "c"})
+        assert (
+            status == 429 and headers["Retry-After"] == "1" and "busy" in answer["error"]["message"]
+        )
+        waiting.sock.close()  # "b"'s client hangs up
+        while views() > 1:  # "b" left the queue
+            time.sleep(0.01)
+        release.set()
+        assert first.result()[:3:2] == (200, {"text": "a"})
+    assert request(url, "POST", "/api/attention", {"text": "d"})[2] == {"text": "d"}
+    assert shown == ["a", "d"]  # "b" never ran, "c" was refused
