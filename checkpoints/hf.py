@@ -98,12 +98,6 @@ HF_FIXED = dict(
 )
 
 
-def unclassified(config_class: type = GPTConfig) -> list[str]:
-    """The fields of `config_class` that FIELDS does not classify (and FIELDS' stale entries)."""
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return sorted(names ^ FIELDS.keys())
-
-
 def needs(architecture: str) -> dict[str, Any]:
     """{field: the only value `architecture` ("gpt2" or "llama") computes}."""
     columns = {name: getattr(field, architecture) for name, field in FIELDS.items()}

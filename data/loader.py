@@ -84,6 +84,12 @@ class BatchSampler:
         self.seed, self.step = int(state["seed"]), int(state["step"])
 
 
+def eval_tokens(n_tokens: int, block_size: int, rank: int = 0, world_size: int = 1) -> int:
+    """The tokens `iter_eval_batches` over a whole split of `n_tokens` gives `rank` to score."""
+    n_full, tail = divmod(n_tokens - 1, block_size)
+    return len(range(rank, n_full, world_size)) * block_size + tail * (n_full % world_size == rank)
+
+
 def iter_eval_batches(
     tokens: np.ndarray,
     block_size: int,

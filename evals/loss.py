@@ -5,7 +5,6 @@ the progress both show. Downstream tasks are evals/tasks.py's."""
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from base.errors import DataError, check, is_int
 from base.files import read_utf8
+from base.progress import Progress
 from checkpoints.store import find_checkpoint, load_source
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
@@ -28,31 +27,6 @@ from model.gpt import unavailable_attention
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
 # forwards as many windows as keep them under this many (1 GB), whatever the batch size.
 MAX_LOGITS = 2**28
-
-
-class Counter:
-    """Progress through `total` units (evaluation's tokens or items), told the count done so
-    far: a bar on a terminal, otherwise a line at each tenth (logs, CI, pipes)."""
-
-    def __init__(self, total: int, unit: str):
-        self.total, self.unit, self.tenths = max(total, 1), unit, 0
-        self.bar = None
-        if sys.stdout.isatty():
-            self.bar = tqdm(total=total, unit=unit, dynamic_ncols=True, leave=False)
-
-    def __call__(self, done: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-        elif done * 10 // self.total > self.tenths:
-            self.tenths = done * 10 // self.total
-            print(f"{done:,} of {self.total:,} {self.unit}s", flush=True)
-
-    def __enter__(self) -> Counter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 @dataclass
@@ -193,10 +167,10 @@ def evaluate_checkpoint(
     check("stride", stride, ok, "null or an integer in [1, block_size]")
     method = f"sliding windows, stride {stride}" if stride else "non-overlapping windows"
     say(f"{source}: {len(tokens) - 1:,} tokens, {nbytes:,} bytes, {method} of {block_size}")
-    with Counter(len(tokens) - 1, "token") as counter:
+    with Progress(len(tokens) - 1, "token") as progress:
         result = evaluate(
             ckpt.model, tokens, nbytes, cfg["batch_size"], precision,
-            stride=stride, progress=counter,
+            stride=stride, progress=progress.update,
         )  # fmt: skip
     return {
         "checkpoint": str(ckpt.path),

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import yaml
 
 from base.errors import CONFIG_DIR, ConfigError, DataError, positive_int
+from base.progress import Progress
 from data.sources import load_dataset
-from evals.loss import Counter
 from hardware.device import Precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
@@ -269,8 +269,8 @@ def score_tasks(
         task = load_task(task_cfg, tokenizer, model.config.block_size)
         where = task_cfg["data_files"] or task_cfg["path"]
         say(f"{task.name}: {len(task.items):,} items from {where}")
-        with Counter(len(task.items), "item") as counter:
-            results[task.name] = score_task(model, task, precision, progress=counter)
+        with Progress(len(task.items), "item") as progress:
+            results[task.name] = score_task(model, task, precision, progress=progress.update)
         say(task_line(task.name, results[task.name]))
     return results
 

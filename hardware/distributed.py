@@ -300,8 +300,8 @@ def load_optimizer_state(
     """The inverse of `optimizer_state`: under FSDP every rank keeps its shard of the state.
 
     The state (moments, momentum buffers, step counts) comes from the checkpoint; the groups'
-    hyperparameters (peak rates, betas, weight decay...) stay those of this run's config, so
-    that a resume may change them (the same config resumes exactly)."""
+    hyperparameters (peak rates, betas, weight decay...) are this run's config's, which a
+    resume cannot change (trainer/config.py's RESUMABLE holds no optim key): the checkpoint's."""
     saved = [len(g["params"]) for g in state["param_groups"]]
     ours = [len(g["params"]) for g in optimizer.param_groups]
     if saved != ours:

@@ -299,13 +299,6 @@ def assert_causal(model: GPT, **kwargs: Any) -> None:
         raise CausalityError("the model is not causal:\n" + "\n".join(report.failures()))
 
 
-def find_leaks(model: GPT) -> list[str]:
-    """The perturbation and Jacobian checks on the model as it is (its mode and attention);
-    one line per failure, [] when no leak was found."""
-    idx = random_tokens(model, seq_len=16)
-    return CausalityReport([perturbation_check(model, idx), jacobian_check(model, idx)]).failures()
-
-
 def shrunk_config(model_values: dict[str, Any], max_layers: int | None = None) -> GPTConfig:
     """The architecture of `model_values` (a model config; vocab_size may be null) at the
     SHRUNK_SIZES, with its head count and (up to max_layers) its layers. zero_init_proj is

@@ -129,7 +129,7 @@ class TrainSettings:
 
 @defaults_from(OPTIM_YAML)
 class OptimSettings:
-    """The optimizer and its learning-rate schedule (trainer/optim.py, trainer/optim.py).
+    """The optimizer and its learning-rate schedule (trainer/optim.py).
 
     name=adamw: AdamW on every parameter. name=muon: Muon on the 2-D weight matrices inside the
     transformer blocks, AdamW (lr, betas, eps, weight_decay) on everything else. The schedule

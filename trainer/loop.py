@@ -25,10 +25,11 @@ from typing import Any, Literal
 import torch
 
 from base.errors import ConfigError
+from base.progress import Progress
 from checkpoints.store import pretrained_model
-from data.loader import BatchSampler, PrefetchingSampler
+from data.loader import BatchSampler, PrefetchingSampler, eval_tokens
 from data.pipeline import prepare_data
-from evals.loss import Counter, EvalResult, evaluate
+from evals.loss import EvalResult, evaluate
 from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
 from hardware.distributed import (
     DistInfo,
@@ -52,7 +53,7 @@ from trainer.checkpointing import CheckpointManager, FunctionState
 from trainer.config import RunConfig
 from trainer.optim import build_optimizer, lr_scale, set_lr, warmup_drop
 from trainer.preflight import causality_guard, check_memory
-from trainer.reporting import MetricsLog, Progress, Tracker, format_seconds
+from trainer.reporting import MetricsLog, Tracker, format_metrics, format_seconds
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_SKIPPED_STEPS = 10  # train.on_nan=skip gives up after this many
@@ -176,7 +177,7 @@ class Trainer:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
         configure_backends(self.device)
         self.run_dir = Path(from_main(str(run_dir)))
-        self.progress = Progress(cfg.train.max_steps, enabled=self.dist.is_main)
+        self.progress = Progress(cfg.train.max_steps, "step", enabled=self.dist.is_main)
         # 2. The data (rank 0 alone verifies every byte), so that its mistakes are reported
         # first; then the model it sizes, proved causal (_new_model).
         self.data = run_on_main(lambda: prepare_data(cfg.data))
@@ -224,7 +225,7 @@ class Trainer:
         self.sampler = BatchSampler(
             self.data.tokens("train"), block_size, train.batch_size, cfg.seed, self.dist.rank, world
         )
-        if self.device.type == "cuda":  # batches built ahead in pinned memory: see data/prefetch
+        if self.device.type == "cuda":  # batches built ahead in pinned memory (data/loader.py)
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
         # 4. The training state, in one place: what `last` holds besides the weights, by name.
         self.state = TrainState()
@@ -293,7 +294,7 @@ class Trainer:
         else:  # `vocab_size: null` is the tokenizer's size
             vocab, tokenizer_vocab = cfg.model.get("vocab_size"), self.data.vocab_size
             if vocab is not None and vocab < tokenizer_vocab:
-                raise ValueError(
+                raise ConfigError(
                     f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_vocab} "
                     "tokens; set model.vocab_size=null to use the tokenizer's size"
                 )
@@ -321,17 +322,17 @@ class Trainer:
 
     # ----- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, whole_split: bool = False) -> EvalResult:
+    def val_loss(self, whole_split: bool = False) -> EvalResult:
         """The eval_steps subset, or the whole split with progress shown as evaluate.py shows
         it (minutes on a CPU)."""
-        tokens, counter = self.data.tokens("val"), None
-        if whole_split and self.dist.is_main:
-            predicted = len(tokens) - 1
+        tokens, shown = self.data.tokens("val"), whole_split and self.dist.is_main
+        block, rank, world = self.model.config.block_size, self.dist.rank, self.dist.world_size
+        if shown:
             self.progress.message(
-                f"final evaluation: the whole validation split, {predicted:,} tokens"
+                f"final evaluation: the whole validation split, {len(tokens) - 1:,} tokens"
             )
-            counter = Counter(predicted // self.dist.world_size, "token")
-        with counter or contextlib.nullcontext():
+        share = eval_tokens(len(tokens), block, rank, world)  # this rank's, which it counts
+        with Progress(share, "token", enabled=shown) as progress:
             return evaluate(
                 self.model,
                 tokens,
@@ -341,7 +342,7 @@ class Trainer:
                 max_batches=None if whole_split else self.cfg.train.eval_steps,
                 rank=self.dist.rank,
                 world_size=self.dist.world_size,
-                progress=counter,
+                progress=progress.update,
             )
 
     # ----- training ------------------------------------------------------------------------
@@ -460,7 +461,7 @@ class Trainer:
                 self._log(loss, grad_norm, timed_steps * self.tokens_per_step / seconds)
             evaluated = bool(cfg.eval_interval) and state.step % cfg.eval_interval == 0
             if evaluated:
-                self._periodic_eval()
+                self._validate()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.checkpoints.save_periodic(self.model, self._meta(), self.stateful)
             if logged:
@@ -513,7 +514,7 @@ class Trainer:
             values["mfu"] = tok_s / self.peak_tokens_per_s
         step = self.state.step
         eta = self.budget.eta(step, self.state.elapsed, self.tokens_per_step / tok_s)
-        self.progress.update(step, values, eta)
+        self.progress.update(step, f"{format_metrics(values)} | eta {format_seconds(eta)}")
         self._record(
             {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
         )
@@ -545,8 +546,11 @@ class Trainer:
             f"Resume with: {launcher} {command}",
         )
 
-    def _periodic_eval(self) -> EvalResult:
-        result = self.evaluate()
+    def _validate(self) -> EvalResult:
+        """Score the eval_steps subset of val and the tasks, and report them (console, wandb,
+        metrics.jsonl, samples); save `best` when the loss is the lowest yet. At eval_interval
+        steps, and at the end (train.final_eval)."""
+        result = self.val_loss()
         improved = result.loss < self.state.best_val_loss
         if improved:
             self.state.best_val_loss = result.loss
@@ -596,11 +600,11 @@ class Trainer:
         cfg = self.cfg.train
         step, evaluated = self.last_eval or (None, None)
         if cfg.final_eval != "none" and step != self.state.step:
-            evaluated = self._periodic_eval()  # the final model competes for `best` too
+            evaluated = self._validate()  # the final model competes for `best` too
         last = self.save("last")
         final = None
         if cfg.final_eval == "whole":
-            final = self.evaluate(whole_split=True)
+            final = self.val_loss(whole_split=True)
         elif cfg.final_eval == "periodic":
             final = evaluated  # the fixed eval_steps subset, evaluated at this step
         summary = {

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from base.files import write_atomic
 from trainer.config import WandbSettings
@@ -51,38 +49,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-class Progress:
-    """Shows training progress; `enabled=False` (non-zero ranks) prints nothing."""
-
-    def __init__(self, total: int | None, enabled: bool = True):
-        self.total, self.enabled = total, enabled
-        self.bar = None  # from `start` on, on a terminal; messages before it are plain lines
-
-    def start(self, step: int) -> None:
-        if self.enabled and sys.stdout.isatty():
-            self.bar = tqdm(total=self.total, initial=step, dynamic_ncols=True, unit="step")
-
-    def update(self, step: int, values: dict[str, float], eta_seconds: float) -> None:
-        eta = f"eta {format_seconds(eta_seconds)}"
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix_str(f"{format_metrics(values)} {eta}")
-        elif self.enabled:
-            print(f"step {step} | {format_metrics(values)} | {eta}", flush=True)
-
-    def message(self, text: str) -> None:
-        """A line that stays above the bar."""
-        if self.bar is not None:
-            self.bar.write(text)
-        elif self.enabled:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 # ----- metrics.jsonl and loss.png ----------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from base.errors import DataError
-from data.loader import BatchSampler, bits_per_byte, iter_eval_batches
+from data.loader import BatchSampler, bits_per_byte, eval_tokens, iter_eval_batches
 from data.pipeline import PreparedData
 
 TOKENS = np.arange(10_000, dtype=np.uint16)  # token value == position: windows are checkable
@@ -88,9 +88,11 @@ def test_eval_predicts_every_token_once(n: int, world: int) -> None:
     tokens = TOKENS[:n]
     predicted = []
     for rank in range(world):
+        mine = len(predicted)
         for x, y in iter_eval_batches(tokens, 16, 4, rank=rank, world_size=world):
             assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y, x + 1)
             predicted += y.flatten().tolist()
+        assert len(predicted) - mine == eval_tokens(n, 16, rank, world)  # what progress counts
     assert sorted(predicted) == list(range(1, n))
 
 

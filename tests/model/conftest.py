@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from model import GPT
+from model.causality import CausalityReport, jacobian_check, perturbation_check, random_tokens
 from model.gpt import MLPS, NORMS, POS_EMBEDDINGS
 
 
@@ -92,3 +93,10 @@ def assert_gives_manuals_logits_and_gradients(options: str, T: int, **attention)
     pairs = zip(manual.named_parameters(), other.parameters(), strict=True)
     for (name, p_manual), p_other in pairs:
         torch.testing.assert_close(p_other.grad, p_manual.grad, atol=1e-5, rtol=0, msg=name)
+
+
+def find_leaks(model: GPT) -> list[str]:
+    """The perturbation and Jacobian checks on the model as it is (its mode and attention);
+    one line per failure, [] when no leak was found."""
+    idx = random_tokens(model, seq_len=16)
+    return CausalityReport([perturbation_check(model, idx), jacobian_check(model, idx)]).failures()

@@ -20,7 +20,6 @@ from model.causality import (
     CausalityError,
     assert_causal,
     check_causality,
-    find_leaks,
     jacobian_check,
     perturbation_check,
     shrunk_config,
@@ -31,6 +30,7 @@ from tests.model.conftest import (
     AXES,
     OPTION_VALUES,
     SIZES,
+    find_leaks,
     random_projections,
 )
 

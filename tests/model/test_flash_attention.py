@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from model import GPT, flash_attention
-from model.causality import find_leaks
 from model.flash_attention import flash_causal_attention, key_tiles, query_tiles, tile_keep_mask
 from model.gpt import causal_attention
 from tests.conftest import tiny_config
-from tests.model.conftest import assert_gives_manuals_logits_and_gradients
+from tests.model.conftest import assert_gives_manuals_logits_and_gradients, find_leaks
 
 
 def _qkv(B: int, H: int, Tq: int, Tk: int, hs: int, dtype=torch.float32):

@@ -19,11 +19,13 @@ import triton.language as tl  # noqa: E402, F401  (jit functions need it in thei
 from base.errors import ConfigError  # noqa: E402
 from model import GPT  # noqa: E402
 from model import triton_attention as kernel  # noqa: E402
-from model.causality import find_leaks  # noqa: E402
 from model.gpt import causal_attention  # noqa: E402
 from model.triton_attention import triton_causal_attention  # noqa: E402
 from tests.conftest import run_script, tiny_config  # noqa: E402
-from tests.model.conftest import assert_gives_manuals_logits_and_gradients  # noqa: E402
+from tests.model.conftest import (
+    assert_gives_manuals_logits_and_gradients,  # noqa: E402
+    find_leaks,  # noqa: E402
+)
 
 TILE = 16  # the interpreter's tiles (model/triton_attention.tilings)
 

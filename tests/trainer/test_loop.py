@@ -81,7 +81,7 @@ class FakeClock:
 
     def __init__(self, trainer, step_seconds: float, eval_seconds: float = 0.0):
         self.now, self.evaluations = 0.0, []
-        train_step, evaluate = trainer.train_step, trainer.evaluate
+        train_step, evaluate = trainer.train_step, trainer.val_loss
 
         def step():
             self.now += step_seconds
@@ -92,7 +92,7 @@ class FakeClock:
             self.evaluations.append((trainer.state.step, whole_split))
             return evaluate(whole_split)
 
-        trainer.train_step, trainer.evaluate = step, evaluated
+        trainer.train_step, trainer.val_loss = step, evaluated
 
     def perf_counter(self) -> float:
         return self.now
@@ -428,8 +428,8 @@ def test_final_eval_periodic_reuses_the_subset_evaluation_instead_of_the_whole_s
 ):
     trainer = make_trainer(tmp_path, corpus, "train.final_eval=periodic")
     whole_split = []
-    original = trainer.evaluate
-    trainer.evaluate = lambda whole=False: whole_split.append(whole) or original(whole)
+    original = trainer.val_loss
+    trainer.val_loss = lambda whole=False: whole_split.append(whole) or original(whole)
     summary = trainer.run()
     assert whole_split == [False, False]  # the evaluations at steps 6 and 12, nothing more
     assert summary["val_tokens"] == 2 * 4 * 32  # eval_steps x batch_size x block_size
@@ -448,6 +448,7 @@ def test_the_whole_split_final_evaluation_shows_its_progress(tmp_path, corpus, c
     counts = [i for i, line in enumerate(lines) if re.fullmatch(pattern, line)]
     done = next(i for i, line in enumerate(lines) if line.startswith("done: "))
     assert len(counts) >= 5 and plan < counts[0] and counts[-1] < done
+    assert lines[counts[-1]] == f"{predicted:,} of {predicted:,} tokens"  # not past its end
 
 
 def test_final_eval_accepts_only_its_three_values():
