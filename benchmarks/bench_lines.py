@@ -27,7 +27,6 @@ FEATURES = {
         ("inference/server.py", None),
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
-        ("model/gpt.py", ["RaggedKVCache"]),
     ],
     "export to transformers and GGUF": [
         ("export.py", None),

@@ -1,8 +1,8 @@
 """Batched decoding: the requests a server holds decode together, one forward a step for all.
 
 Each request is a `Job` with its own prompt, sampling settings, torch.Generator and stop strings.
-A worker thread keeps up to `max_batch` of them in the rows of one RaggedKVCache
-(model/gpt.py), each row at its own length. A step: jobs that finished or were cancelled
+A worker thread keeps up to `max_batch` of them in the rows of one RaggedKVCache (below), each
+row at its own length. A step: jobs that finished or were cancelled
 leave (the last row moves into the freed one), waiting jobs join, every job whose window is new
 or full gets it (re)filled alone in its row, all but its newest token; then one forward over
 all rows, a token each, and each row's next token from `next_token` with that job's settings.
@@ -19,12 +19,71 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from hardware.device import decodes_from_a_copy, decoding_copy
 from inference.generate import SamplingParams, TextStream, next_token, window_start
 from model import GPT
+from model.gpt import KVCache
+
+
+class RaggedKVCache(KVCache):
+    """A KVCache whose rows end at lengths of their own: one request per row, each at its own
+    position, decoded together in one forward. A forward runs on the rows `rows` selects (a
+    slice, so the keys are a view, never a copy); `positions` are each selected row's own, so
+    every row's tokens get their own positions, and `allowed` is the causal mask's rows at
+    those positions: keys past a row's end (another request's longer history, or stale values)
+    are masked as the future is. `length` is the longest selected row's, where the model checks
+    its window. For manual and sdpa attention (flash takes the queries to be the last keys of
+    every row: the Batcher refuses it)."""
+
+    def __init__(self, n_layer: int, batch_size: int, *shape: int, **place: Any):
+        """KVCache's arguments; every row starts empty."""
+        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long)
+        self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
+        super().__init__(n_layer, batch_size, *shape, **place)
+        self.lengths = self.lengths.to(self.k.device)
+
+    @property
+    def length(self) -> int:
+        return int(self.lengths[self.rows].max())
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.lengths[self.rows] = value
+
+    def advance(self, n: int) -> None:
+        self.lengths[self.rows] += n
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(rows, T): each selected row's next T positions."""
+        return self.lengths[self.rows] + torch.arange(T, device=self.lengths.device)
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (rows, nh, T, hs) at each row's own end; return the selected rows' keys and
+        values up to the longest row's new end (rows, nh, L, hs)."""
+        positions = self.positions(k.size(2))
+        index = torch.arange(self.k.size(1), device=k.device)[self.rows, None]  # (rows, 1)
+        self.k[layer, index, :, positions] = k.transpose(1, 2)  # (rows, T, nh, hs)
+        self.v[layer, index, :, positions] = v.transpose(1, 2)
+        end = int(positions.max()) + 1
+        return self.k[layer, self.rows, :, :end], self.v[layer, self.rows, :, :end]
+
+    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
+        """(rows, 1, T, L): row r's queries see its keys up to their own positions, no further."""
+        positions = self.positions(T)
+        return causal_mask[positions, : int(positions.max()) + 1][:, None]
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's keys, values and length into row dst (a finished request's row reused)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
 
 
 @dataclass(eq=False)
@@ -55,7 +114,9 @@ class Batcher:
         self.model, self.eot, self.max_batch, self.max_waiting = model, eot, max_batch, max_waiting
         self.block_size = model.config.block_size
         self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
-        self.cache = model.new_kv_cache(max_batch, ragged=True)
+        if model.config.attention == "flash":  # its tiles take every row to end where k does
+            raise ValueError("batched decoding needs attention=manual or sdpa, not flash")
+        self.cache = model.new_kv_cache(max_batch, kind=RaggedKVCache)
         w = model.lm_head.weight
         self.padding = torch.arange(model.config.vocab_size, device=w.device) >= vocab_size
         self.active: list[Job] = []  # row i of the cache holds active[i]

@@ -265,18 +265,15 @@ class RotaryTables(nn.Module):
         self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, start: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions start .. start + T - 1, each (T, hs/2); for a start per
-        row (B, 1), each row's own, (B, 1, T, hs/2) (broadcast over the heads)."""
-        if isinstance(start, int):
-            return self.cos[start : start + T], self.sin[start : start + T]
-        positions = start + torch.arange(T, device=start.device)  # (B, T)
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at positions pos (T,), each (1, T, hs/2), broadcast over batch and heads;
+        at positions of each row's own (B, T), (B, 1, T, hs/2)."""
+        return self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, nh, T, hs) by the angles whose cos and sin are (T, hs/2); same shape and
-    dtype as x."""
+    """Rotate x (B, nh, T, hs) by the angles whose cos and sin are (1, T, hs/2), or (B, 1, T,
+    hs/2) (RotaryTables'); same shape and dtype as x."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each: the pairs (x_i, x_{i + hs/2})
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, nh, T, hs)
     return rotated.type_as(x)  # float32 tables and bfloat16 x compute in float32
@@ -288,8 +285,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #
 # Causal attention makes this exact: position t's keys and values depend only on tokens <= t, so
 # appending a token never changes what was cached before it. `KVCache` holds rows that all end at
-# one length (a batch of samples of one prompt); `RaggedKVCache` rows of their own lengths (a
-# server's requests decoding together).
+# one length (a batch of samples of one prompt); the server's cache (inference/batching.py) rows
+# of their own lengths, through the same four methods.
 
 
 class KVCache:
@@ -324,6 +321,10 @@ class KVCache:
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def positions(self, T: int) -> torch.Tensor:
+        """The positions of T new tokens, (T,): they follow the cached ones."""
+        return torch.arange(self.length, self.length + T, device=self.k.device)
+
     def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
         """Which keys (cached, then new) each of T new queries may see: the causal mask's rows
         at their positions, (T, length + T)."""
@@ -336,58 +337,6 @@ class KVCache:
         self.length = 0
 
 
-class RaggedKVCache(KVCache):
-    """A KVCache whose rows end at lengths of their own: one request per row, each at its own
-    position, decoded together in one forward (inference/batching.py). A forward runs on the
-    rows `rows` selects (a slice, so the keys are a view, never a copy); `length` is each
-    selected row's (rows, 1), so every row's tokens get their own positions, and `allowed` is
-    the causal mask's rows at those positions: keys past a row's end (another request's longer
-    history, or stale values) are masked as the future is. For manual and sdpa attention (flash
-    takes the queries to be the last keys of every row: GPT.new_kv_cache refuses it)."""
-
-    def __init__(self, n_layer: int, batch_size: int, *shape: int, **place: Any):
-        """KVCache's arguments; every row starts empty."""
-        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long)
-        self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
-        super().__init__(n_layer, batch_size, *shape, **place)
-        self.lengths = self.lengths.to(self.k.device)
-
-    @property
-    def length(self) -> torch.Tensor:
-        return self.lengths[self.rows]  # (rows, 1)
-
-    @length.setter
-    def length(self, value: int | torch.Tensor) -> None:
-        self.lengths[self.rows] = value
-
-    def _positions(self, T: int) -> torch.Tensor:
-        return self.length + torch.arange(T, device=self.lengths.device)  # (rows, T)
-
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (rows, nh, T, hs) at each row's own end; return the selected rows' keys and
-        values up to the longest row's new end (rows, nh, L, hs)."""
-        positions = self._positions(k.size(2))
-        index = torch.arange(self.k.size(1), device=k.device)[self.rows, None]  # (rows, 1)
-        self.k[layer, index, :, positions] = k.transpose(1, 2)  # (rows, T, nh, hs)
-        self.v[layer, index, :, positions] = v.transpose(1, 2)
-        end = int(positions.max()) + 1
-        return self.k[layer, self.rows, :, :end], self.v[layer, self.rows, :, :end]
-
-    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
-        """(rows, 1, T, L): row r's queries see its keys up to their own positions, no further."""
-        positions = self._positions(T)
-        return causal_mask[positions, : int(positions.max()) + 1][:, None]
-
-    def move(self, src: int, dst: int) -> None:
-        """Row src's keys, values and length into row dst (a finished request's row reused)."""
-        n = int(self.lengths[src])
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst] = n
-
-
 # ----- multi-head causal self-attention ----------------------------------------------------------
 
 
@@ -398,7 +347,7 @@ def causal_attention(
 
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
     attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
-    lengths (model/gpt.py's RaggedKVCache). Dropout applies to S before it weighs V.
+    lengths (inference/batching.py's RaggedKVCache). Dropout applies to S before it weighs V.
     """
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, Tq, Tk)
     scores = scores.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
@@ -436,12 +385,12 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
-        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions, each
-        (T, hs/2), when pos_embedding is rope. Returns Y (B, T, C)."""
+        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions
+        (RotaryTables'), when pos_embedding is rope. Returns Y (B, T, C)."""
         B, T, C = x.shape
         q, k, v = self.heads(x, rope)  # each (B, nh, T, hs)
         allowed = self.causal_mask[:T, :T]  # (T, T)
-        fresh = cache is None or (isinstance(cache.length, int) and cache.length == 0)
+        fresh = cache is None or cache.length == 0
         if cache is not None:
             allowed = cache.allowed(self.causal_mask, T)  # (T, past + T); ragged: (B, 1, T, L)
             k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
@@ -618,7 +567,7 @@ class GPT(nn.Module):
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The head's input: the final norm of the last block's output, (B, T, C)."""
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
-        x, rope = self.embed(tok_emb, cache.length if cache is not None else 0)
+        x, rope = self.embed(tok_emb, cache)
         for block in self.transformer.h:
             x = block(x, cache, rope)
         if cache is not None:
@@ -634,24 +583,22 @@ class GPT(nn.Module):
         return logits
 
     def embed(
-        self, tok_emb: torch.Tensor, start: int | torch.Tensor = 0
+        self, tok_emb: torch.Tensor, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The first block's input from token embeddings (B, T, C) at positions start, ...,
-        start + T - 1, and rope's (cos, sin) tables of those positions (None for learned).
-        start (B, 1): each row from its own position (a RaggedKVCache's rows)."""
-        T = tok_emb.size(1)
-        last = start if isinstance(start, int) else int(start.max())
-        if last + T > self.config.block_size:
+        """The first block's input from token embeddings (B, T, C) at positions 0 .. T - 1, or
+        after the cache's, and rope's (cos, sin) tables of those positions (None for learned)."""
+        T, start = tok_emb.size(1), 0 if cache is None else cache.length
+        if start + T > self.config.block_size:
             raise ValueError(
-                f"input of {last + T} tokens is longer than block_size={self.config.block_size}; "
+                f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
+        pos = torch.arange(T, device=tok_emb.device) if cache is None else cache.positions(T)
         rope = None
         if self.rotary is not None:
             x = tok_emb  # positions enter through q and k, in every layer's attention
-            rope = self.rotary(start, T)  # (cos, sin), each (T, hs/2) or (B, 1, T, hs/2)
+            rope = self.rotary(pos)  # (cos, sin)
         else:
-            pos = torch.arange(T, device=tok_emb.device) + start  # (T,), or (B, T)
             x = tok_emb + self.transformer.wpe(pos)  # (B, T, C)
         return self.transformer.drop(x), rope
 
@@ -668,14 +615,11 @@ class GPT(nn.Module):
         return torch.stack(probs)
 
     def new_kv_cache(
-        self, batch_size: int, max_len: int | None = None, ragged: bool = False
+        self, batch_size: int, max_len: int | None = None, kind: type[KVCache] = KVCache
     ) -> KVCache:
-        """An empty KV cache sized for this model, on its device and in its dtype; ragged: a
-        RaggedKVCache, whose rows end at lengths of their own."""
+        """An empty KV cache (a `kind` of one) sized for this model, on its device and in its
+        dtype."""
         c, w = self.config, self.transformer.wte.weight
-        if ragged and c.attention == "flash":  # its tiles take every row to end where k does
-            raise ValueError("a ragged KV cache needs attention=manual or sdpa, not flash")
-        kind = RaggedKVCache if ragged else KVCache
         shape = (c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.head_size)
         return kind(*shape, device=w.device, dtype=w.dtype)
 

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from data.tokenizer import get_tokenizer
-from inference.batching import Batcher, Job
+from inference.batching import Batcher, Job, RaggedKVCache
 from inference.generate import SamplingParams, TextStream, TokenContext, stream_tokens
 from model import GPT, GPTConfig
+from tests.conftest import tiny_config
+from tests.model.conftest import ARCHITECTURES, random_projections
 
 SETTINGS = [  # (prompt length, max_tokens, params, seed): windows restart past 16 tokens
     (5, 30, SamplingParams(temperature=0), 0),
@@ -141,3 +143,41 @@ def test_a_failing_forward_ends_its_jobs_and_the_worker_serves_on(model, monkeyp
     assert reasons[0] == reasons[1] == ["error"]
     assert batcher.submit([later])
     assert ended[2].wait(120) and reasons[2] == ["length"] and len(later.tokens) == later.max_tokens
+
+
+@pytest.mark.parametrize("options", ["gpt2", "pos_embedding=rope", "all"])
+@pytest.mark.parametrize("attention", ["manual", "sdpa"])
+def test_ragged_rows_each_match_their_own_full_forward(attention, options):
+    """Three sequences of different lengths in one RaggedKVCache: each prefilled alone in its
+    row, then decoded together one token a step, each at its own position; a finished row is
+    replaced by the last one (`move`). Every row's logits are its own full forward's."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(tiny_config(attention=attention), **ARCHITECTURES[options])
+    model = random_projections(GPT(config)).eval()
+    seqs = [torch.randint(0, 101, (1, n)) for n in (16, 9, 12)]
+    with torch.no_grad():
+        full = [model(s)[0][0] for s in seqs]
+        cache = model.new_kv_cache(batch_size=4, kind=RaggedKVCache)
+        for row, (s, prompt) in enumerate(zip(seqs, (3, 1, 6), strict=True)):
+            cache.rows = slice(row, row + 1)
+            model(s[:, :prompt], cache=cache)
+        rows, t = [0, 1, 2], {0: 3, 1: 1, 2: 6}
+        while rows:
+            cache.rows = slice(0, len(rows))
+            idx = torch.cat([seqs[r][:, t[r] : t[r] + 1] for r in rows])
+            logits = model(idx, cache=cache)[0][:, -1]
+            for i, r in enumerate(rows):
+                torch.testing.assert_close(logits[i], full[r][t[r]], atol=1e-5, rtol=0)
+                t[r] += 1
+            for i in reversed(range(len(rows))):
+                if t[rows[i]] == seqs[rows[i]].size(1):  # finished: the last row moves here
+                    cache.move(len(rows) - 1, i)
+                    rows[i] = rows[-1]
+                    rows.pop()
+
+
+def test_batched_decoding_refuses_flash_attention():
+    """flash's tiles take every row's queries to be its last keys: a ragged cache would be
+    silently wrong, so the batcher refuses it."""
+    with pytest.raises(ValueError, match="attention=manual or sdpa, not flash"):
+        Batcher(GPT(tiny_config(attention="flash")), 0, 101, max_batch=2, max_waiting=0)
