@@ -28,7 +28,7 @@ import tiktoken
 import torch
 from safetensors.torch import save_file
 
-from base.errors import ConfigError, choice
+from base.errors import ConfigError, boolean, choice
 from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
@@ -58,7 +58,7 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
             "(format=gguf: out=<file>.gguf)"
         )
     out = Path(str(out)).expanduser().absolute()
-    overwrite = cfg.get("overwrite") is True  # anything else keeps what `out` holds
+    overwrite = boolean("overwrite", cfg.get("overwrite", False))
     if as_gguf and out.is_dir():
         raise ConfigError(f"out={out} is a directory; format=gguf writes one file")
     if not as_gguf and out.exists() and not out.is_dir():

@@ -404,6 +404,11 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     """A checkpoint directory from a checkpoint directory, a run directory (its `prefer`
     checkpoint, else the other), or a `checkpoints/` directory."""
     path = Path(path).expanduser()
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file; a checkpoint is a directory (its {MANIFEST_FILE} beside the "
+            f"weights): pass {path.parent}"
+        )
     order = (prefer, "last" if prefer == "best" else "best")
     candidates = [path, *(base / name for base in (path / "checkpoints", path) for name in order)]
     for candidate in candidates:

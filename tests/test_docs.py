@@ -62,3 +62,10 @@ def unnamed_modules(text: str) -> list[str]:
 def test_architecture_md_names_every_module():
     assert unnamed_modules((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")) == []
     assert "model/gpt.py" in unnamed_modules("`model/config.py`")  # negative control
+
+
+def test_the_folders_the_docs_commands_write_are_ignored_by_git():
+    """`out=exports/...` in a documented command leaves no untracked folder in a clone."""
+    written = {m for page in PAGES for m in re.findall(r"\bout=([\w.-]+)/", page.read_text())}
+    ignored = set((ROOT / ".gitignore").read_text().splitlines())
+    assert "exports" in written and {f"{folder}/" for folder in written} <= ignored

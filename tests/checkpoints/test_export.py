@@ -148,6 +148,8 @@ def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
     with pytest.raises(ConfigError, match="out is required"):
         export_checkpoint({"checkpoint": str(path), "out": None})
+    with pytest.raises(ConfigError, match="overwrite must be true or false, got 'maybe'"):
+        export(tmp_path, path, overwrite="maybe")  # as every boolean key, not taken as false
 
 
 @pytest.mark.parametrize("out", ["x", "x.gguf"])

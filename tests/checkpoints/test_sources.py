@@ -91,6 +91,12 @@ def test_other_models_and_missing_paths_are_clear_errors(tmp_path):
         load_source(tmp_path / "bytes").tokenizer()
     with pytest.raises(CheckpointError, match="no checkpoint found .* a GPT-2 name"):
         load_source(tmp_path / "nothing")
+    weights = tmp_path / "bytes" / "model.safetensors"
+    with pytest.raises(
+        CheckpointError,
+        match=f"is a file; a checkpoint is a directory .*: pass {tmp_path / 'bytes'};",
+    ):
+        load_source(weights)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
