@@ -16,9 +16,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import urlsplit
 
 from base.errors import DataError
 from base.files import read_utf8
@@ -216,13 +218,31 @@ def hub_identity(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**{k: cfg.get(k) for k in _CONTENT_KEYS}, "local_files": file_stats(local)}
 
 
+LOCAL_BUILDERS = ("parquet", "json", "csv", "text", "arrow")  # data.path for local data_files
+WITHOUT_NETWORK = (
+    "; without the network, download its files and train on them: data.path=parquet "
+    "'data.data_files={train: <files>, validation: <files>}' (docs/data.md)"
+)
+
+
 def load_dataset(
     path: str, subset: str | None, split: str, **kwargs: Any
 ) -> datasets.Dataset | datasets.IterableDataset:
     """`datasets.load_dataset`, with any failure (offline, unknown repo or split, unreadable
-    file: many exception types) as one DataError line."""
+    file: many exception types) as one DataError line. A hub repository is refused at once
+    when the hub is unreachable (the hub client would retry for half a minute)."""
     import datasets
 
+    remote = path not in LOCAL_BUILDERS and not Path(path).exists()
+    if remote and not datasets.config.HF_DATASETS_OFFLINE:
+        hub = urlsplit(datasets.config.HF_ENDPOINT)
+        try:
+            socket.create_connection((hub.hostname, hub.port or 443), timeout=10).close()
+        except OSError:
+            raise DataError(
+                f"could not load {path!r}: the Hugging Face hub ({hub.netloc}) is unreachable"
+                f"{WITHOUT_NETWORK}, or set HF_DATASETS_OFFLINE=1 to use a cached copy"
+            ) from None
     try:
         return datasets.load_dataset(path, subset, split=split, **kwargs)
     except Exception as e:
@@ -230,6 +250,7 @@ def load_dataset(
         raise DataError(
             f"could not load {path!r} (subset={subset}, split={split}): "
             f"{type(e).__name__}: {first_line}; check the name and network access"
+            f"{WITHOUT_NETWORK if remote else ''}"
         ) from e
 
 

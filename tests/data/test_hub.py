@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +18,8 @@ from base.errors import DataError
 from data.pipeline import prepare_data
 from data.sources import load_split
 from data.tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DOCS = [f"Story {i}: once upon a time there was a caf\u00e9 number {i}." for i in range(40)]
 
@@ -107,3 +113,21 @@ def test_hub_configs_name_the_loader_arguments() -> None:
     fineweb = resolve_config({"name": "fineweb_edu"})
     assert (fineweb["subset"], fineweb["streaming"]) == ("sample-10BT", True)
     assert resolve_config({"name": "openwebtext"})["val_fraction"] > 0
+
+
+def test_an_unreachable_hub_is_one_line_at_once_naming_the_local_recipe(tmp_path: Path) -> None:
+    """Online mode with the hub unreachable (its endpoint a closed local port): one `error:`
+    line that says how to train without the network, not half a minute of retries."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # closed when the block ends: connections are refused
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "CAUSALGPT_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "data.prepare", "data=tinystories"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: could not load 'roneneldan/TinyStories': the Hugging ")
+    assert f"(127.0.0.1:{port}) is unreachable; without the network" in done.stderr
+    assert "data.data_files=" in done.stderr and len(done.stderr.splitlines()) == 1
