@@ -84,6 +84,18 @@ def test_the_tokenizer_gives_our_ids(tmp_path, name):
         assert tokenizer.decode(ids) == text
 
 
+def test_generate_stops_at_block_size_without_a_warning(tmp_path, caplog):
+    """transformers' own generate(), given no length, stops at the model's context (prompt
+    included), quietly: a bytes model with 64 positions."""
+    out = export(tmp_path, save_tiny_checkpoint(tmp_path, tokenizer="bytes", block_size=64)[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = transformers.AutoTokenizer.from_pretrained(out)("ROMEO:", return_tensors="pt").input_ids
+    for _ in range(2):  # every call, not only the first
+        with caplog.at_level("WARNING"):
+            assert model.generate(ids, do_sample=False).shape == (1, 64)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_the_docs_pipeline_generates_within_the_positions(tmp_path, monkeypatch):
     """docs/evaluation.md's line, verbatim but for the directory, on the nano preset (64
     positions): the pipeline's default 256 new tokens would index past them."""
