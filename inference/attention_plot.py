@@ -39,10 +39,15 @@ def prompt_attention(model: GPT, idx: torch.Tensor, layer: int | None = None) ->
 
 def token_labels(tokenizer: tiktoken.Encoding, ids: Sequence[int]) -> list[str]:
     """Short readable tick labels: spaces as '␣', newlines as '↵', characters the default font
-    lacks (emoji) as U+XXXX, long tokens shortened."""
+    lacks (emoji) as U+XXXX, a token that is part of a character (a byte tokenizer's, a split
+    emoji's) as its bytes in hex, long tokens shortened."""
     labels = []
     for i in ids:
-        text = tokenizer.decode_single_token_bytes(i).decode("utf-8", errors="replace")
+        raw = tokenizer.decode_single_token_bytes(i)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:  # one chip per byte would each read '�'
+            text = raw.hex(" ").upper()
         text = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("$", r"\$")
         text = "".join(c if ord(c) <= 0xFFFF else f"U+{ord(c):X}" for c in text)
         if len(text) > MAX_LABEL_CHARS:

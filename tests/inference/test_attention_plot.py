@@ -63,3 +63,10 @@ def test_token_labels_make_whitespace_visible_and_stay_short():
     assert labels[0] == "␣hello"
     assert "↵" in labels
     assert all(len(label) <= 10 for label in labels)
+
+
+def test_a_token_that_is_part_of_a_character_shows_its_bytes():
+    """A byte tokenizer's "é" is two tokens, neither a character: each is its byte in hex,
+    not a '�' apiece; a whole character stays itself."""
+    tok = get_tokenizer("bytes")
+    assert token_labels(tok, tok.encode_ordinary("aé")) == ["a", "C3", "A9"]

@@ -4,6 +4,7 @@ every next-token distribution before j exactly unchanged."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -62,6 +63,16 @@ def test_the_page_streams_shows_causal_attention_and_causality(server, browser, 
         rows[i] += p
     assert all(abs(total - 1) < 1e-4 for total in rows)  # 6 decimals a weight
     assert len(browser.find_elements(By.CSS_SELECTOR, "#multiples canvas")) == 2  # a layer each
+    last = [(p, j) for i, j, p, _ in cells if i == T - 1]  # the query row shown
+    darkest = f"#heatmap .cell[data-i='{T - 1}'][data-j='{max(last)[1]}']"
+    colour = "return getComputedStyle(document.querySelector(arguments[0])).backgroundColor"
+    assert browser.execute_script(colour, darkest) == "rgb(8, 29, 88)"  # its row's largest: 1
+    browser.find_element(By.ID, "rowscale").click()  # off: the 0-to-1 scale
+    assert browser.execute_script(colour, darkest) != "rgb(8, 29, 88)"
+    weights = browser.find_element(By.ID, "weights").text  # position "token": weight, ...
+    assert re.match(
+        rf'token {T - 1} \(.*\) attends to: \d+ ".*": \d\.\d{{3}}(, \d+ ".*": )?', weights
+    )
 
     browser.find_elements(By.CSS_SELECTOR, "#tokens span")[5].click()  # sets the position
     browser.find_element(By.ID, "replace").click()
