@@ -309,7 +309,8 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
         if verbose:
             mb, seconds = stats["bytes"] / 1e6, stats["seconds"]
             print(
-                f"{cfg['name']}/{split}: {stats['documents']:,} documents, "
+                f"{cfg['name']}/{split}: {stats['documents']:,} document"
+                f"{'s' * (stats['documents'] != 1)}, "
                 f"{stats['tokens']:,} tokens, {mb:.2f} MB in {seconds:.2f}s "
                 f"({mb / seconds:.2f} MB/s, {stats['tokens'] / seconds:,.0f} tokens/s)"
             )

@@ -39,6 +39,8 @@ TASKS_DIR = CONFIG_DIR / "task"
 def task_config(name: str) -> dict[str, Any]:
     """configs/task/<name>.yaml's values, or those of a task file of your own (a .yaml path)."""
     path = Path(name).expanduser() if name.endswith(".yaml") else TASKS_DIR / f"{name}.yaml"
+    if not path.is_file() and path.parent != TASKS_DIR:
+        raise ConfigError(f"task file {path} not found (a task of your own is a .yaml path)")
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
         raise ConfigError(f"unknown task {name!r}; choose one of: {known}")
@@ -239,7 +241,7 @@ def score_task(
         p = hits / n  # the harness's stderr: the sample standard deviation over sqrt(n)
         return {
             name: p,
-            f"{name}_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"),
+            f"{name}_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else None,  # JSON null
         }
 
     if task.format == "lambada":
@@ -278,10 +280,11 @@ def score_tasks(
 def task_line(name: str, metrics: dict[str, float]) -> str:
     """'hellaswag: acc 0.2892 ± 0.0045, acc_norm 0.3114 ± 0.0046 (10,042 items)'."""
     parts = [
-        f"{k} {metrics[k]:.4f} ± {metrics[k + '_stderr']:.4f}"
+        f"{k} {metrics[k]:.4f}" + ("" if (e := metrics[f"{k}_stderr"]) is None else f" ± {e:.4f}")
         for k in ("acc", "acc_norm")
         if k in metrics
     ]
     if "perplexity" in metrics:
         parts.append(f"perplexity {metrics['perplexity']:.2f}")
-    return f"{name}: {', '.join(parts)} ({metrics['items']:,} items)"
+    n = metrics["items"]
+    return f"{name}: {', '.join(parts)} ({n:,} item{'s' * (n != 1)})"

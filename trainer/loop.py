@@ -567,7 +567,9 @@ class Trainer:
                 self.model, task, self.precision, self.dist.rank, self.dist.world_size
             )
             self.progress.message(f"step {self.state.step} | {task_line(task.name, scores)}")
-            metrics |= {f"{task.name}/{k}": v for k, v in scores.items() if k != "items"}
+            metrics |= {
+                f"{task.name}/{k}": v for k, v in scores.items() if k != "items" and v is not None
+            }
         self._record(metrics, self.state.step)
         self.metrics.plot()
         if self.records_samples:

@@ -74,12 +74,14 @@ def test_cache_is_reused(shakespeare: PreparedData, monkeypatch: pytest.MonkeyPa
     assert again.dir == shakespeare.dir and again.meta == shakespeare.meta
 
 
-def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path) -> None:
+def test_text_files_rebuild_on_change_and_tokenizer(tmp_path: Path, capsys) -> None:
     train = write_docs(tmp_path / "docs")
     val = tmp_path / "val.txt"
     val.write_text("held out text\n", encoding="utf-8")
     cfg = text_cfg(tmp_path, train_files=[str(tmp_path / "docs" / "*.txt")], val_files=[str(val)])
-    first = prepare_data(cfg, verbose=False)
+    first = prepare_data(cfg, verbose=True)
+    printed = capsys.readouterr().out
+    assert f"/train: {len(train)} documents, " in printed and "/val: 1 document, " in printed
     enc = get_tokenizer("gpt2")
     assert enc.decode(first.tokens("val").tolist()) == "<|endoftext|>held out text\n"
     assert first.meta["splits"]["train"]["documents"] == len(train)

@@ -205,6 +205,11 @@ def test_evaluate_py_scores_a_task(tmp_path, hf_gpt2_dir):
     assert lines[-2].endswith("(2 items)")
     result = json.loads(lines[-1])["tasks"]["hellaswag"]
     assert result["items"] == 2 and set(result) >= {"acc", "acc_stderr", "acc_norm"}
+    one = run_script("evaluate.py", *args[:-1], "task.limit=1", "device=cpu", cwd=tmp_path)
+    assert one.stdout.splitlines()[-2].endswith("(1 item)")  # no "± nan" with a single item
+    summary = one.stdout.splitlines()[-1]
+    assert "NaN" not in summary  # strict JSON parsers reject NaN
+    assert json.loads(summary)["tasks"]["hellaswag"]["acc_stderr"] is None
 
 
 @pytest.mark.parametrize(
@@ -212,6 +217,7 @@ def test_evaluate_py_scores_a_task(tmp_path, hf_gpt2_dir):
     [
         (["task=nope"], "task=nope is not in configs/task/"),
         (["tasks=[nope]"], "unknown task 'nope'"),
+        (["tasks=[nope.yaml]"], "task file nope.yaml not found"),
         (["task=arc_easy", "task.data_files={bad}"], "the items have no field question"),
     ],
 )
