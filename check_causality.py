@@ -13,9 +13,10 @@ import sys
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import boolean, check, hydra_main, is_int, user_errors
+from base.errors import ConfigError, boolean, check, hydra_main, is_int, user_errors
 from checkpoints.store import load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
@@ -43,8 +44,18 @@ def model_to_check(cfg: dict[str, Any]) -> tuple[GPT, str]:
     return ckpt.model, f"checkpoint {ckpt.path}"
 
 
-def run(cfg: dict[str, Any]) -> int:
-    """Print the report; 0 when every check passes, 1 otherwise."""
+OWN_KEYS = ("checkpoint", "seq_len", "batch_size", "seed", "attention", "device")
+
+
+def run(cfg: dict[str, Any], overrides: list[str] = ()) -> int:
+    """Print the report; 0 when every check passes, 1 otherwise. With a checkpoint, the model
+    is the checkpoint's: command-line `overrides` of anything but OWN_KEYS are refused."""
+    ignored = [o for o in overrides if o.lstrip("+~").split("=")[0] not in OWN_KEYS]
+    if cfg["checkpoint"] is not None and ignored:
+        raise ConfigError(
+            f"{ignored[0]} changes nothing with checkpoint=...: the model checked is the "
+            f"checkpoint's; drop it (with a checkpoint, set only {', '.join(OWN_KEYS[1:])})"
+        )
     for key, low in (("seq_len", 2), ("batch_size", 1)):
         check(key, cfg[key], is_int(cfg[key], low), f"an integer >= {low}")
     attention, impls = cfg["attention"], list(ATTENTION_IMPLS)
@@ -72,7 +83,8 @@ def run(cfg: dict[str, Any]) -> int:
 @hydra_main("check_causality")
 def main(cfg: DictConfig) -> None:
     with user_errors():
-        sys.exit(run(OmegaConf.to_container(cfg, resolve=True)))
+        overrides = list(HydraConfig.get().overrides.task)
+        sys.exit(run(OmegaConf.to_container(cfg, resolve=True), overrides))
 
 
 if __name__ == "__main__":

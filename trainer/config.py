@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 from hydra import compose
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # the sweeper -m runs
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -447,7 +448,7 @@ class ValidateBeforeRunDir(Callback):
     """Hydra callback (configs/train.yaml): a bad config is one `error:` line and exit code 2
     before Hydra creates the run directory, so failed attempts leave nothing behind; and a
     run directory that cannot be written is one line too, long before the first checkpoint.
-    (A sweep's runs are validated by train.py itself, in their own directories.)"""
+    A sweep (`-m`) validates every job's config before the first starts, naming the job."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
@@ -458,6 +459,13 @@ class ValidateBeforeRunDir(Callback):
         _check_writable(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        for n, job in enumerate(BasicSweeper.split_arguments(parsed, None)[0]):  # as it runs them
+            try:
+                run_config(compose(config_name=CONFIG_NAME, overrides=job), sweep_dir / str(n), job)
+            except (ValueError, OSError) as e:  # user_errors' two kinds
+                exit_user_error(f"sweep job {n} ({' '.join(job)}): {e}")
         _check_writable(config.hydra.sweep.dir, "hydra.sweep.dir")
 
 

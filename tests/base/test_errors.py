@@ -59,8 +59,10 @@ def test_help_lists_only_the_keys_each_script_accepts(tmp_path):
         assert result.returncode == 0, result.stderr
         assert "checkpoint: null" in result.stdout
         assert "Configuration groups" not in result.stdout and "gpt2-xl" not in result.stdout
-    control = run_script("train.py", "--help", cwd=tmp_path)  # train.py does take the groups
-    assert f"model: {PRESETS}" in control.stdout
+    for script in ("train.py", "check_causality.py"):  # they take the groups, task= aside
+        control = run_script(script, "--help", cwd=tmp_path)
+        assert f"model: {PRESETS}" in control.stdout
+        assert "task= is evaluate.py's alone" in control.stdout
 
 
 def test_ctrl_c_before_a_task_handles_it_is_one_line_and_exit_130(tmp_path):

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 import check_causality
 from checkpoints.store import save_checkpoint
 from model import GPT, preset_names
-from tests.conftest import ROOT, run_script, tiny_config
+from tests.conftest import ROOT, run_script, save_tiny_checkpoint, tiny_config
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 
@@ -53,7 +53,10 @@ def test_every_preset_is_causal(preset, capsys):
 
 
 def test_triton_is_checked_where_it_runs_and_named_where_it_does_not(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton's and our jit functions are defined
+    # under it (it is read at definition), whichever test imports them first
     pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux only)")
+    monkeypatch.delenv("TRITON_INTERPRET")
     code, lines, summary = run_command(capsys, "model=nano")
     assert code == 0 and not any(name.startswith("triton") for name in summary["checks"])
     assert lines[1] == (
@@ -133,3 +136,14 @@ def test_the_command_as_a_user_runs_it_writes_nothing(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["causal"] is True
     assert list(tmp_path.iterdir()) == []  # no outputs/ dir, no logs
+
+
+def test_model_keys_beside_a_checkpoint_are_refused_not_ignored(tmp_path):
+    """With checkpoint=, the model checked is the checkpoint's: model.n_layer=3 would change
+    nothing, so it is one error line, not silently dropped."""
+    path, _ = save_tiny_checkpoint(tmp_path)
+    result = run_script("check_causality.py", f"checkpoint={path}", "model.n_layer=3", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: model.n_layer=3 changes nothing with checkpoint=...")
+    ok = run_script("check_causality.py", f"checkpoint={path}", "attention=manual", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr  # its own keys still apply

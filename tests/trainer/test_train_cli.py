@@ -204,6 +204,17 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         assert table[2 + n] == f"| {n} | {lr} | 2 | {loss:.4f} | {bpb:.4f} |"
 
 
+def test_a_sweep_with_a_bad_job_fails_before_the_first_trains(tmp_path, corpus):
+    """Every job is validated first: the second job's bad value is one line naming the job,
+    and nothing is trained or written (no sweep dir, no first run)."""
+    sweep = ["-m", *TINY, *corpus, "train.max_steps=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    result = run_script("train.py", *sweep, "optim.lr=1e-3,-1", cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: sweep job 1 (") and "optim.lr=-1" in result.stderr
+    assert "optim.lr must be" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_one_text_file_trains_as_in_nanogpt(tmp_path):
     """`python train.py data=text 'data.train_files=[input.txt]'`: the last 10% of the file is
     the validation split (it once needed two documents)."""
