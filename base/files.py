@@ -99,6 +99,16 @@ def recover_swap(path: str | Path) -> None:
         os.replace(aside(path), path)
 
 
+def link_files(source: Path, target: Path) -> None:
+    """Hard-link every file of the directory `source` into `target` (a copy where the
+    filesystem has no hard links)."""
+    for file in source.iterdir():
+        try:
+            os.link(file, target / file.name)
+        except OSError:
+            shutil.copy2(file, target / file.name)
+
+
 def write_dir_atomic(path: str | Path, fill: Callable[[Path], object]) -> None:
     """Replace the directory `path` whole with the files `fill(tmp)` writes into a new empty
     directory (a flat one: files only).

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from base.files import link_files, write_dir_atomic
 from checkpoints.store import (
     MODEL_FILE,
     STEP_PREFIX,
@@ -134,13 +135,13 @@ class CheckpointManager:
 
     def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: dict[str, Stateful]):
         """`last`, and with keep=N a `step-<step>` checkpoint too, pruned to the N most recently
-        written."""
-        self.save("last", model, meta, stateful)
-        if self.keep:
+        written: `last`'s files, hard-linked (a checkpoint's files are never changed in place,
+        only replaced whole), so the state is serialized and written once."""
+        last = self.save("last", model, meta, stateful)
+        if self.keep and self.dist.is_main:
             name = f"{STEP_PREFIX}{meta['step']}"
-            self.save(name, model, meta, stateful)
-            if self.dist.is_main:
-                prune_step_checkpoints(self.dir, self.keep, newest=name)
+            write_dir_atomic(self.dir / name, lambda tmp: link_files(last, tmp))
+            prune_step_checkpoints(self.dir, self.keep, newest=name)
 
     def _report_disk(self, path: Path) -> None:
         """What this run's checkpoints will take on disk: `last` and N step checkpoints in

@@ -7,12 +7,22 @@ import torch
 
 from checkpoints.store import load_checkpoint
 from tests.conftest import losses, make_trainer
+from trainer import checkpointing
 
 EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG state counts too
 
 
-def test_a_run_keeps_the_n_most_recent_step_checkpoints(tmp_path, corpus, capsys):
+def test_a_run_keeps_the_n_most_recent_step_checkpoints(tmp_path, corpus, capsys, monkeypatch):
+    """Each step checkpoint is `last`'s files, linked: the state is written once a save."""
+    written = []
+    save = checkpointing.save_checkpoint
+    monkeypatch.setattr(
+        checkpointing,
+        "save_checkpoint",
+        lambda path, *a, **k: written.append(path.name) or save(path, *a, **k),
+    )
     make_trainer(tmp_path, corpus, *EVERY_2, "train.keep_checkpoints=2").run()
+    assert not [name for name in written if name.startswith("step-")] and "last" in written
     ckpt_dir = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["best", "last", "step-10", "step-12"]
     for step in (10, 12):
