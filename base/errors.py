@@ -19,10 +19,12 @@ show. Hydra is imported inside: model/ and data/ use the checks without loading 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
 import sys
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn, TypeVar
@@ -104,6 +106,64 @@ def boolean(key: str, value: Any) -> bool:
 def choice(key: str, value: Any, choices: Sequence[str]) -> str:
     """One of `choices`; the error lists them all."""
     return check(key, value, value in choices, f"one of {list(choices)}")
+
+
+# ----- settings: each config key declared once ----------------------------------------------------
+
+# A settings dataclass declares each key once: its type (a `Literal[...]` lists its choices; bool;
+# `| None` allows null), its check beyond the type, and whether a resumed run may change it
+# (`setting`); its default is read from configs/ (`defaults_from`); `validate` applies it all.
+# A field declared without `setting` fails at the first object built, so a new key cannot miss
+# its check or its resume decision.
+
+
+def setting(rule: Callable[[str, Any], Any] | None = None, *, resumable: bool, **kw: Any) -> Any:
+    """A dataclass field: `rule(key, value)` returns the value checked (and normalised), or
+    raises ConfigError; `resumable`: a resumed run may change it. kw: dataclasses.field's."""
+    return dataclasses.field(metadata={"rule": rule, "resumable": resumable}, **kw)
+
+
+def yaml_config(name: str) -> dict[str, Any]:
+    """configs/<name>'s values, as written (no Hydra composition)."""
+    import yaml
+
+    return yaml.safe_load((CONFIG_DIR / name).read_text())
+
+
+def defaults_from(values: dict[str, Any], **kw: Any) -> Callable[[type], type]:
+    """Make a dataclass (kw: dataclasses.dataclass's) whose fields default to their entries in
+    `values`, a section of a YAML file of configs/ (lists as tuples, so that no default is
+    shared and mutable)."""
+
+    def decorate(cls: type) -> type:
+        for name in cls.__annotations__.keys() & values.keys():
+            value = tuple(values[name]) if isinstance(values[name], list) else values[name]
+            declared = cls.__dict__.get(name)
+            if isinstance(declared, dataclasses.Field):
+                declared.default = value
+            else:
+                setattr(cls, name, value)
+        return dataclasses.dataclass(cls, **kw)
+
+    return decorate
+
+
+def validate(settings: Any, prefix: str = "") -> None:
+    """Check every field of a `setting`-declared dataclass, in place; `prefix` ("train.")
+    names the section in the error."""
+    hints = typing.get_type_hints(type(settings))
+    for f in dataclasses.fields(settings):
+        key, value, kind = prefix + f.name, getattr(settings, f.name), hints[f.name]
+        if "resumable" not in f.metadata:
+            raise TypeError(f"{key} is declared without setting(...): give its check and resume")
+        if value is None and type(None) in typing.get_args(kind):
+            continue
+        if typing.get_origin(kind) is typing.Literal:
+            choice(key, value, typing.get_args(kind))
+        elif kind is bool:
+            boolean(key, value)
+        if f.metadata["rule"] is not None:
+            setattr(settings, f.name, f.metadata["rule"](key, value))
 
 
 # ----- hydra_main: Hydra's errors at the same boundary --------------------------------------------

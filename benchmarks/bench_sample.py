@@ -121,7 +121,7 @@ def busy_core(model: GPT, prompt: torch.Tensor, n: int, rounds: int) -> None:
     }
     picks = {"quiet": [], "one core busy": []}  # the thread count the last column decoded on
     seconds = {(machine, column): [] for machine in picks for column in columns}
-    gen, sample = torch.Generator().manual_seed(0), SamplingParams(temperature=1.0)
+    gen, sample = torch.Generator().manual_seed(0), SamplingParams(temperature=1.0, top_k=None)
     spin = [sys.executable, "-c", "while True: pass"]
     for _ in range(rounds):
         for machine, picked in picks.items():
@@ -169,7 +169,7 @@ def main() -> None:
         dtypes = ["float32", "bfloat16"] if bf16 else ["float32"]
 
     gen = torch.Generator().manual_seed(0)
-    sample = SamplingParams(temperature=1.0)
+    sample = SamplingParams(temperature=1.0, top_k=None)
     nanogpt = GPT(GPTConfig(**SHAPE, attention="sdpa")).eval()
     # (name, model, function returning seconds for n tokens); the first row is the baseline
     rows = [

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,16 +74,27 @@ class Precision:
         return self.dtype == torch.float16
 
 
+def device_name(key: str, value: Any) -> str:
+    """A device= value, wherever the key is read: auto, or a name torch.device parses."""
+    try:
+        return value if value == "auto" else str(torch.device(value))
+    except (RuntimeError, TypeError):
+        rule = "auto or a device (cpu, cuda, cuda:1, mps)"
+        raise ConfigError(f"{key} must be {rule}, got {value!r}") from None
+
+
+def dtype_name(key: str, value: Any) -> str:
+    """A dtype= value, wherever the key is read: auto or one of DTYPES."""
+    return choice(key, value, ["auto", *DTYPES])
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` is the best the machine has: CUDA, then Apple's MPS, then the CPU. An explicit
     device (cpu, cuda, cuda:1, mps) must exist."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if name == "auto":
         name = "cuda" if available["cuda"] else "mps" if available["mps"] else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or mps") from None
+    device = torch.device(device_name("device", name))
     if not available.get(device.type, True):
         kind = device.type.upper()
         raise ConfigError(f"device={name} but {kind} is not available; use device=auto or cpu")
@@ -93,7 +105,7 @@ def resolve_precision(device: torch.device, dtype: str) -> Precision:
     """The autocast precision for training. `auto`: bfloat16 on GPUs that support it, float16 on
     older GPUs; on a CPU, bfloat16 where this machine's probe measured its matmuls clearly faster
     than float32 (`cpu_auto_dtype`, which also says why); float32 elsewhere."""
-    choice("dtype", dtype, ["auto", *DTYPES])
+    dtype_name("dtype", dtype)
     if dtype == "auto" and device.type == "cpu":
         return Precision(device, *cpu_auto_dtype())
     if dtype == "auto" and device.type == "cuda":

@@ -18,14 +18,13 @@ from __future__ import annotations
 import codecs
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tiktoken
 import torch
 import torch.nn.functional as F
 
-from base.errors import check, is_int, is_number
+from base.errors import check, defaults_from, is_int, is_number, yaml_config
 from hardware.device import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
 
@@ -77,16 +76,17 @@ def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 # ----- sampling and the token stream -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@defaults_from(yaml_config("sample.yaml"), frozen=True)
 class SamplingParams:
     """How to turn logits into a token; checked on construction so that a bad value fails
-    before a model is loaded, with the name of the field. None disables a filter."""
+    before a model is loaded, with the name of the field. None disables a filter. The defaults
+    are sample.py's (configs/sample.yaml)."""
 
-    temperature: float = 1.0  # 0: greedy (argmax)
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0  # 1: off
+    temperature: float  # 0: greedy (argmax)
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float  # 1: off
 
     def __post_init__(self) -> None:
         t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p

@@ -18,11 +18,9 @@ import copy
 import dataclasses
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import yaml
 from hydra import compose
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # the sweeper -m runs
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -30,102 +28,112 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import (
-    CONFIG_DIR,
     ConfigError,
-    boolean,
     check,
-    choice,
+    defaults_from,
     exit_user_error,
     non_negative_int,
     number,
     positive,
     positive_int,
+    setting,
     user_errors,
+    validate,
+    yaml_config,
 )
 from base.files import writable_error, write_atomic
 from checkpoints.store import RUNTIME_KEYS, read_config, resume_source
 from data.sources import absolute_paths
+from hardware.device import device_name, dtype_name
 from model import GPTConfig
 
-
-def _yaml(name: str) -> dict[str, Any]:
-    return yaml.safe_load((CONFIG_DIR / name).read_text())
-
-
-TRAIN_YAML = _yaml("train.yaml")
+TRAIN_YAML = yaml_config("train.yaml")
 # optim=muon extends optim=adamw with its own keys; adamw's values win where both have one.
-OPTIM_YAML = {**_yaml("optim/muon.yaml"), **_yaml("optim/adamw.yaml")}
-
-
-def defaults_from(values: dict[str, Any]) -> Callable[[type], type]:
-    """Make a dataclass whose fields default to their entries in `values` (lists as tuples,
-    so that no default is shared and mutable)."""
-
-    def decorate(cls: type) -> type:
-        for name in cls.__annotations__.keys() & values.keys():
-            value = values[name]
-            setattr(cls, name, tuple(value) if isinstance(value, list) else value)
-        return dataclass(cls)
-
-    return decorate
-
-
+OPTIM_YAML = {**yaml_config("optim/muon.yaml"), **yaml_config("optim/adamw.yaml")}
 DEFAULT_MAX_STEPS = 250  # train.max_steps: null without train.max_seconds (configs/train.yaml)
+
+
+def _string(rule: str) -> Callable[[str, Any], str]:
+    return lambda key, value: check(key, value, isinstance(value, str), rule)
+
+
+def _list(example: str) -> Callable[[str, Any], list[str]]:
+    def strings(key: str, value: Any) -> list[str]:
+        check(key, value, isinstance(value, (list, tuple)), f"a list like {example}")
+        return [str(v) for v in value]
+
+    return strings
+
+
+def _tasks(key: str, value: Any) -> list[str]:
+    """Downstream task names, each found now (evals/tasks.py, loaded for runs that use it)."""
+    names = _list("[hellaswag,arc_easy]")(key, value)
+    if names:
+        from evals.tasks import task_config
+
+        for name in names:
+            task_config(name)  # an unknown task fails here, before the run dir is made
+    return names
+
+
+def _betas(key: str, value: Any) -> tuple[float, float]:
+    pair = isinstance(value, (list, tuple)) and len(value) == 2
+    check(key, value, pair, "a pair like [0.9, 0.95]")
+    return tuple(number(key, b, 0.0, 0.999999) for b in value)
+
+
+def _unit_interval(key: str, value: Any) -> float:
+    return number(key, value, 0.0, 1.0)
+
+
+def _at_least_0(key: str, value: Any) -> float:
+    return number(key, value, low=0.0)
+
+
+def _momentum(key: str, value: Any) -> float:
+    return check(key, value, 0 <= number(key, value) < 1, "in [0, 1)")
+
+
+# Each key: its type, its check, whether a resumed run may change it (RESUMABLE, below), and, in
+# a comment, what it means; its default is the YAML file's. A resumed run may change how long it
+# runs, how often it evaluates, logs and saves, where it runs and how it is tracked; everything
+# else (the model, the data and its order, the optimizer and its schedule) is the resumed run's.
 
 
 @defaults_from(TRAIN_YAML["train"])
 class TrainSettings:
-    batch_size: int  # sequences per micro-batch (per rank when distributed)
-    grad_accum_steps: int  # micro-batches per optimizer step
+    # sequences per micro-batch (per rank when distributed)
+    batch_size: int = setting(positive_int, resumable=False)
+    grad_accum_steps: int = setting(positive_int, resumable=False)  # micro-batches per step
     # optimizer steps; None: as many as max_seconds allows, or DEFAULT_MAX_STEPS without it
-    max_steps: int | None
+    max_steps: int | None = setting(positive_int, resumable=True)
     # wall-clock budget for the training loop; the lr schedule then decays by time as well
-    max_seconds: float | None
-    eval_interval: int  # steps between evaluations (0: only at the end)
-    eval_steps: int  # batches per periodic evaluation (a fixed subset of val)
-    ckpt_interval: int  # steps between `last` checkpoints (0: only at the end)
-    keep_checkpoints: int  # step-<step> checkpoints kept besides last and best (0: none)
-    log_interval: int  # steps between console / wandb lines
-    resume: str | None  # null | auto | a checkpoint or run directory
-    init_from: str | None  # null | a GPT-2 name | a HF GPT-2 dir | a checkpoint or run dir
-    on_nan: str  # stop | skip: what a non-finite loss or gradient does
-    sample_tokens: int  # tokens per sample generation logged at each evaluation (0: none)
-    skip_memory_check: bool  # true: train even if the memory estimate exceeds the device
-    check_causality: bool  # check a shrunk copy of the model first (trainer/preflight.py)
-    final_eval: str  # the evaluation at the end: whole | periodic (the eval_steps subset) | none
-    eval_tasks: list[str]  # downstream tasks scored at each evaluation (configs/task/ names)
-    eval_task_items: int | None  # the first N items of each task (None: all)
+    max_seconds: float | None = setting(positive, resumable=True)
+    eval_interval: int = setting(non_negative_int, resumable=True)  # steps (0: at the end)
+    eval_steps: int = setting(positive_int, resumable=True)  # batches per periodic evaluation
+    ckpt_interval: int = setting(non_negative_int, resumable=True)  # steps (0: at the end)
+    # step-<step> checkpoints kept besides last and best (0: none)
+    keep_checkpoints: int = setting(non_negative_int, resumable=True)
+    log_interval: int = setting(positive_int, resumable=True)  # steps between console lines
+    resume: str | None = setting(_string("null, auto or a path"), resumable=True)
+    # a GPT-2 name | a HF GPT-2 dir | a checkpoint or run dir
+    init_from: str | None = setting(_string("null, a GPT-2 name or a path"), resumable=False)
+    on_nan: Literal["stop", "skip"] = setting(resumable=True)  # on a non-finite loss or grad
+    # tokens per sample generation logged at each evaluation (0: none)
+    sample_tokens: int = setting(non_negative_int, resumable=True)
+    # true: train even if the memory estimate exceeds the device
+    skip_memory_check: bool = setting(resumable=True)
+    check_causality: bool = setting(resumable=True)  # a shrunk copy first (trainer/preflight)
+    # the evaluation at the end: the whole split | the eval_steps subset | none
+    final_eval: Literal["whole", "periodic", "none"] = setting(resumable=True)
+    eval_tasks: list[str] = setting(_tasks, resumable=False)  # configs/task/ names, or files
+    eval_task_items: int | None = setting(positive_int, resumable=False)  # None: all items
 
     def __post_init__(self) -> None:
         # null is "not set": a time budget alone then ends the run, else the default steps
         if self.max_steps is None and self.max_seconds is None:
             self.max_steps = DEFAULT_MAX_STEPS
-        for name in ("batch_size", "grad_accum_steps", "eval_steps", "log_interval"):
-            positive_int(f"train.{name}", getattr(self, name))
-        if self.max_steps is not None:
-            positive_int("train.max_steps", self.max_steps)
-        for name in ("eval_interval", "ckpt_interval", "keep_checkpoints", "sample_tokens"):
-            non_negative_int(f"train.{name}", getattr(self, name))
-        if self.max_seconds is not None:
-            positive("train.max_seconds", self.max_seconds, "positive or null")
-        resume_ok = self.resume is None or isinstance(self.resume, str)
-        check("train.resume", self.resume, resume_ok, "null, auto or a path")
-        init_ok = self.init_from is None or isinstance(self.init_from, str)
-        check("train.init_from", self.init_from, init_ok, "null, a GPT-2 name or a path")
-        choice("train.on_nan", self.on_nan, ("stop", "skip"))
-        choice("train.final_eval", self.final_eval, ("whole", "periodic", "none"))
-        boolean("train.skip_memory_check", self.skip_memory_check)
-        boolean("train.check_causality", self.check_causality)
-        if self.eval_task_items is not None:
-            positive_int("train.eval_task_items", self.eval_task_items)
-        ok = isinstance(self.eval_tasks, (list, tuple))
-        check("train.eval_tasks", self.eval_tasks, ok, "a list like [hellaswag,arc_easy]")
-        self.eval_tasks = [str(name) for name in self.eval_tasks]
-        if self.eval_tasks:
-            from evals.tasks import task_config  # the tasks' module only for runs that use it
-
-            for name in self.eval_tasks:
-                task_config(name)  # an unknown task fails here, before the run dir is made
+        validate(self, "train.")
 
 
 @defaults_from(OPTIM_YAML)
@@ -134,92 +142,80 @@ class OptimSettings:
 
     name=adamw: AdamW on every parameter. name=muon: Muon on the 2-D weight matrices inside the
     transformer blocks, AdamW (lr, betas, eps, weight_decay) on everything else. The schedule
-    scales every group's peak rate (lr, muon_lr) by the same factor."""
+    scales every group's peak rate (lr, muon_lr) by the same factor. No key may change on a
+    resume."""
 
-    name: str  # adamw | muon
-    lr: float  # peak learning rate (under muon: of the AdamW part)
-    embed_lr: float | None  # the embedding tables' own AdamW rate (their own group); None: lr
-    min_lr: float  # the schedule's floor
-    weight_decay: float  # on matrices and embeddings, never on biases and norms
-    betas: tuple[float, float]
-    eps: float
-    warmup_steps: int  # linear warmup from lr / warmup_steps to lr
-    schedule: str  # cosine | wsd | constant
-    decay_fraction: float  # wsd: the final fraction of steps (or max_seconds) that decays
-    grad_clip: float  # max global gradient norm (0: no clipping)
+    name: Literal["adamw", "muon"] = setting(resumable=False)
+    lr: float = setting(positive, resumable=False)  # peak learning rate (muon: its AdamW part)
+    # the embedding tables' own AdamW rate (their own group); None: lr
+    embed_lr: float | None = setting(positive, resumable=False)
+    min_lr: float = setting(_at_least_0, resumable=False)  # the schedule's floor, <= lr
+    # on matrices and embeddings, never on biases and norms
+    weight_decay: float = setting(_at_least_0, resumable=False)
+    betas: tuple[float, float] = setting(_betas, resumable=False)
+    eps: float = setting(_at_least_0, resumable=False)
+    # linear warmup from lr / warmup_steps to lr
+    warmup_steps: int = setting(non_negative_int, resumable=False)
+    schedule: Literal["cosine", "wsd", "constant"] = setting(resumable=False)
+    # wsd: the final fraction of steps (or max_seconds) that decays
+    decay_fraction: float = setting(_unit_interval, resumable=False)
+    grad_clip: float = setting(_at_least_0, resumable=False)  # max gradient norm (0: none)
     # name=muon only: the block matrices' optimizer (ignored by adamw)
-    muon_lr: float  # peak learning rate of the Muon group
-    muon_momentum: float
-    muon_nesterov: bool
-    muon_ns_steps: int  # Newton-Schulz iterations that orthogonalize each update
-    muon_weight_decay: float  # decoupled, as AdamW's: p -= lr * wd * p
+    muon_lr: float = setting(positive, resumable=False)  # peak learning rate of the Muon group
+    muon_momentum: float = setting(_momentum, resumable=False)
+    muon_nesterov: bool = setting(resumable=False)
+    # Newton-Schulz iterations that orthogonalize each update
+    muon_ns_steps: int = setting(positive_int, resumable=False)
+    # decoupled, as AdamW's: p -= lr * wd * p
+    muon_weight_decay: float = setting(_at_least_0, resumable=False)
 
     def __post_init__(self) -> None:
-        choice("optim.name", self.name, ("adamw", "muon"))
-        positive("optim.lr", self.lr)
-        if self.embed_lr is not None:
-            positive("optim.embed_lr", self.embed_lr, "positive or null")
-        for name in ("min_lr", "weight_decay", "eps", "grad_clip", "muon_weight_decay"):
-            number(f"optim.{name}", getattr(self, name), low=0.0)
+        validate(self, "optim.")
         if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr ({self.min_lr}) must not exceed optim.lr ({self.lr})")
-        pair = isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
-        check("optim.betas", self.betas, pair, "a pair like [0.9, 0.95]")
-        self.betas = tuple(number("optim.betas", b, 0.0, 0.999999) for b in self.betas)
-        non_negative_int("optim.warmup_steps", self.warmup_steps)
-        choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant"))
-        number("optim.decay_fraction", self.decay_fraction, 0.0, 1.0)
-        positive("optim.muon_lr", self.muon_lr)
-        momentum = number("optim.muon_momentum", self.muon_momentum)
-        check("optim.muon_momentum", momentum, 0 <= momentum < 1, "in [0, 1)")
-        boolean("optim.muon_nesterov", self.muon_nesterov)
-        positive_int("optim.muon_ns_steps", self.muon_ns_steps)
 
 
 @defaults_from(TRAIN_YAML["wandb"])
 class WandbSettings:
-    mode: str  # auto: online when logged in, else offline | online | offline | disabled
-    project: str
-    name: str | None
-    tags: list[str]
-    entity: str | None
+    # auto: online when logged in, else offline
+    mode: Literal["auto", "online", "offline", "disabled"] = setting(resumable=True)
+    project: str = setting(_string("a string"), resumable=True)
+    name: str | None = setting(resumable=True)
+    tags: list[str] = setting(_list("[a,b]"), resumable=True)
+    entity: str | None = setting(resumable=True)
 
     def __post_init__(self) -> None:
-        choice("wandb.mode", self.mode, ("auto", "online", "offline", "disabled"))
-        check("wandb.tags", self.tags, isinstance(self.tags, (list, tuple)), "a list like [a,b]")
-        self.tags = [str(t) for t in self.tags]
+        validate(self, "wandb.")
 
 
 @defaults_from(TRAIN_YAML["parallel"])
 class ParallelSettings:
     """Multi-process training under torchrun; a single process ignores this section."""
 
-    strategy: str  # ddp: a full replica per rank | fsdp: weights, grads, optimizer sharded
-    timeout_s: float  # a collective waiting longer than this fails the job (a rank died)
+    # ddp: a full replica per rank | fsdp: weights, grads, optimizer sharded
+    strategy: Literal["ddp", "fsdp"] = setting(resumable=True)
+    # a collective waiting longer than this fails the job (a rank died)
+    timeout_s: float = setting(positive, resumable=True)
 
     def __post_init__(self) -> None:
-        choice("parallel.strategy", self.strategy, ("ddp", "fsdp"))
-        positive("parallel.timeout_s", self.timeout_s)
+        validate(self, "parallel.")
 
 
 @defaults_from({key: TRAIN_YAML[key] for key in ("seed", "device", "dtype", "compile")})
 class RunConfig:
-    model: dict[str, Any]
-    data: dict[str, Any]
-    train: TrainSettings = field(default_factory=TrainSettings)
-    optim: OptimSettings = field(default_factory=OptimSettings)
-    wandb: WandbSettings = field(default_factory=WandbSettings)
-    parallel: ParallelSettings = field(default_factory=ParallelSettings)
-    seed: int
-    device: str  # auto | cpu | cuda | mps
-    dtype: str  # auto | float32 | bfloat16 | float16
-    compile: bool
+    model: dict[str, Any] = setting(resumable=False)  # checked by GPTConfig (_validated)
+    data: dict[str, Any] = setting(resumable=False)  # checked where it is prepared
+    train: TrainSettings = setting(resumable=False, default_factory=TrainSettings)
+    optim: OptimSettings = setting(resumable=False, default_factory=OptimSettings)
+    wandb: WandbSettings = setting(resumable=True, default_factory=WandbSettings)
+    parallel: ParallelSettings = setting(resumable=True, default_factory=ParallelSettings)
+    seed: int = setting(non_negative_int, resumable=False)
+    device: str = setting(device_name, resumable=True)  # auto | cpu | cuda | cuda:1 | mps
+    dtype: str = setting(dtype_name, resumable=True)  # auto | float32 | bfloat16 | float16
+    compile: bool = setting(resumable=True)
 
     def __post_init__(self) -> None:
-        non_negative_int("seed", self.seed)
-        choice("device", self.device, ("auto", "cpu", "cuda", "mps"))
-        choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        boolean("compile", self.compile)
+        validate(self)
         if self.compile and self.model.get("attention") == "flash" and self.model.get("dropout"):
             raise ConfigError(
                 "compile=true with model.attention=flash and model.dropout > 0 breaks the compiled "
@@ -236,6 +232,18 @@ class RunConfig:
             if f.name in values and f.default_factory is not dataclasses.MISSING:  # a section
                 values[f.name] = _build(f.default_factory, values[f.name] or {}, f"{f.name}.")
         return _build(cls, values, "")
+
+
+def resumable_keys(kind: type = RunConfig, prefix: str = "") -> tuple[str, ...]:
+    """The keys a resumed run may change, from their declarations: a whole section, or its
+    resumable keys."""
+    keys: list[str] = []
+    for f in dataclasses.fields(kind):
+        if f.metadata["resumable"]:
+            keys.append(prefix + f.name)
+        elif dataclasses.is_dataclass(f.default_factory):
+            keys += resumable_keys(f.default_factory, f"{prefix}{f.name}.")
+    return tuple(keys)
 
 
 def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
@@ -267,29 +275,7 @@ def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
 CONFIG_NAME = "train"
 HYDRA_DIR = ".hydra"
 
-# What a resumed run may change: how long it runs, how often it evaluates, logs and saves, where
-# it runs and how it is tracked. Everything else (the model, the data and its order, the
-# optimizer and its schedule) is the resumed run's.
-RESUMABLE = (
-    "train.max_steps",
-    "train.max_seconds",
-    "train.eval_interval",
-    "train.eval_steps",
-    "train.ckpt_interval",
-    "train.keep_checkpoints",
-    "train.log_interval",
-    "train.on_nan",
-    "train.sample_tokens",
-    "train.skip_memory_check",
-    "train.check_causality",
-    "train.final_eval",
-    "train.resume",
-    "wandb",
-    "parallel",
-    "device",
-    "dtype",
-    "compile",
-)
+RESUMABLE = resumable_keys()  # what a resumed run may change (the declarations above)
 _UNSET = object()
 # The topmost directory Hydra is about to create for this run (ValidateBeforeRunDir saw it
 # missing): what `removed_if_failed` removes. Empty when the run dir existed, and in a sweep.

@@ -584,7 +584,7 @@ class Trainer:
         eot = tokenizer.eot_token
         opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
-        params = SamplingParams(temperature=0.8, top_k=200)
+        params = SamplingParams()  # sample.py's
         n = self.cfg.train.sample_tokens
         settings = dict(eot_token=eot, vocab_size=tokenizer.n_vocab)
         rows = []

@@ -253,7 +253,7 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("num_samples=0", "num_samples must be an integer >= 1"),
         ("seed=null", "seed must be an integer >= 0"),
         ("dtype=float64", "dtype must be one of ['auto', 'float32', 'bfloat16', 'float16']"),
-        ("device=tpu9", "device='tpu9' is not a device"),
+        ("device=tpu9", "device must be auto or a device (cpu, cuda, cuda:1, mps), got 'tpu9'"),
         ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
         ("attention_plot=x.png attention_layer=7", "attention_layer=7 is out of range"),
     ],

@@ -199,6 +199,19 @@ def chi_square(draws: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+PLAIN = SamplingParams(temperature=1.0, top_k=None)  # the softmax itself, no filter
+
+
+def test_the_sampling_defaults_are_sample_yamls(sample_cfg):
+    """Written once, in configs/sample.yaml: what sample.py, the trainer's samples and any
+    caller of stream_tokens without params draw with."""
+    cfg = sample_cfg()
+    assert SamplingParams() == SamplingParams(
+        **{f.name: cfg[f.name] for f in dataclasses.fields(SamplingParams)}
+    )
+    assert SamplingParams().temperature == 0.8 and SamplingParams().top_k == 200
+
+
 def test_sampling_draws_each_token_with_its_softmax_probability():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     probs = torch.softmax(logits, dim=-1)
@@ -206,7 +219,7 @@ def test_sampling_draws_each_token_with_its_softmax_probability():
     drawn = next_token(
         logits.repeat(n, 1),
         torch.zeros(n, 1, dtype=torch.long),
-        SamplingParams(),
+        PLAIN,
         torch.Generator().manual_seed(0),
     )
     # chi-square with 4 degrees of freedom: 18.47 is its 0.999 quantile
@@ -239,7 +252,7 @@ def test_a_uniform_rounded_up_to_the_total_still_draws_a_token_that_has_probabil
     )
     drawn = next_token(logits, context, SamplingParams(top_k=2), torch.Generator())
     assert drawn.tolist() == [1]  # tokens 2-4 have probability 0 after top_k=2
-    unfiltered = next_token(logits, context, SamplingParams(), torch.Generator())
+    unfiltered = next_token(logits, context, PLAIN, torch.Generator())
     assert unfiltered.tolist() == [4]  # the control: with no filter the last token is drawable
 
 

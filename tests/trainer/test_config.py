@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from base.errors import positive_int, setting
 from model import GPTConfig
 from tests.conftest import CONFIGS, ROOT, compose_run
-from trainer.config import ConfigError, OptimSettings, RunConfig
+from trainer.config import (
+    RESUMABLE,
+    ConfigError,
+    OptimSettings,
+    RunConfig,
+    TrainSettings,
+    resumable_keys,
+)
 
 
 @pytest.mark.parametrize(
@@ -132,3 +143,33 @@ def test_the_gpt2_presets_train_fast_by_default():
     settings, _ = full_run("experiment=gpt2_124m_fineweb")
     assert settings.model["vocab_size"] == 50304 and settings.model["attention"] == "sdpa"
     assert full_run()[0].model["block_size"] == 128  # the default run is unchanged
+
+
+def test_a_new_key_cannot_miss_its_check_or_its_resume_decision():
+    """A key is declared once (type, check, resumable); one added without `setting` fails at
+    the first config built, and one added with it is checked and in RESUMABLE, or not."""
+
+    @dataclasses.dataclass
+    class Undeclared(TrainSettings):
+        new_key: int = 3
+
+    with pytest.raises(TypeError, match=r"train.new_key is declared without setting\(...\)"):
+        Undeclared()
+
+    @dataclasses.dataclass
+    class Declared(TrainSettings):
+        new_key: int = setting(positive_int, resumable=True, default=3)
+        fixed_key: Literal["a", "b"] = setting(resumable=False, default="a")
+
+    with pytest.raises(ConfigError, match="^train.new_key must be a positive integer, got 0"):
+        Declared(new_key=0)
+    with pytest.raises(ConfigError, match=r"^train.fixed_key must be one of \['a', 'b'\]"):
+        Declared(fixed_key="c")
+
+    @dataclasses.dataclass
+    class Wider(RunConfig):
+        train: Declared = setting(resumable=False, default_factory=Declared)
+
+    keys = resumable_keys(Wider)
+    assert "train.new_key" in keys and "train.fixed_key" not in keys
+    assert set(resumable_keys()) - {"train.new_key"} == set(RESUMABLE)
