@@ -376,14 +376,8 @@ class Server:
         c = self.model.config
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
-        views = {"views": self.viewing}
-        return {
-            "model": self.name,
-            **shape,
-            "limits": self.limits,
-            **self.batcher.counts(),
-            **views,
-        }
+        counts = {**self.batcher.counts(), "views": self.viewing}
+        return {"model": self.name, **shape, "limits": self.limits, **counts}
 
 
 async def _hang_up(request: Request) -> None:
@@ -400,12 +394,13 @@ class HeaderDeadline(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        self.deadline = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
-        )
+        self.arm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.arm()
+
+    def arm(self) -> None:
         self.deadline = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
@@ -500,9 +495,6 @@ def main(cfg: Mapping[str, Any]) -> int:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         device = resolve_device(str(cfg["device"]))
         dtype = decoding_dtype(str(cfg["dtype"]), device)
-        check(
-            "name", cfg["name"], cfg["name"] is None or str(cfg["name"]), "a non-empty id or null"
-        )
         ipv6 = ":" in host
         sock = socket.create_server(
             (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET

@@ -93,7 +93,7 @@ def _sdpa_without_mask_on_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def _rope_restarting_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call over the cache rotates its tokens from position 0, not from the cache's end."""
     forward = RotaryTables.forward
-    monkeypatch.setattr(RotaryTables, "forward", lambda self, start, T: forward(self, 0, T))
+    monkeypatch.setattr(RotaryTables, "forward", lambda self, pos: forward(self, pos - pos.min()))
 
 
 FUTURE = ("perturbation (eval)", "jacobian (eval)", "kv-cache (eval)")
