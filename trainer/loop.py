@@ -448,8 +448,6 @@ class Trainer:
             timed_steps += 1
             state.elapsed = clock()
             logged = state.step % cfg.log_interval == 0 or state.step == max_steps
-            if state.step == first_step + 1 and not logged:  # compiling is not training speed
-                timed_from, timed_steps = time.perf_counter(), 0
             if logged:
                 seconds = time.perf_counter() - timed_from
                 if not warmup_told:  # at the first log: where the clock is when warmup ends
@@ -464,8 +462,8 @@ class Trainer:
                 self._validate()
             if cfg.ckpt_interval and state.step % cfg.ckpt_interval == 0:
                 self.checkpoints.save_periodic(self.model, self._meta(), self.stateful)
-            if logged:
-                timed_from, timed_steps = time.perf_counter(), 0  # no evaluation or save in it
+            if logged or state.step == first_step + 1:  # the speed counts no compiling,
+                timed_from, timed_steps = time.perf_counter(), 0  # evaluation or save
             # Decided after the evaluation: a budget it spends ends the run at this step, whose
             # evaluation is then the final one (not a second one, a step later).
             state.elapsed = clock()
