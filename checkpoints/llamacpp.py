@@ -87,11 +87,8 @@ def gguf_writer(files: dict[str, Any], tokenizer: tiktoken.Encoding, dtype: str)
         torch_dtype, ggml_type, _ = DTYPES["float32" if w.dim() == 1 else dtype]
         w = w.to(torch_dtype).contiguous()
         data = w.view(torch.int16) if torch_dtype == torch.bfloat16 else w  # numpy: no bf16
-        writer.add_tensor(
-            names.get_name(name, try_suffixes=(".weight", ".bias")),
-            data.numpy(),
-            raw_dtype=ggml_type,
-        )
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(gguf_name, data.numpy(), raw_dtype=ggml_type)
     return writer
 
 

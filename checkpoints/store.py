@@ -237,10 +237,8 @@ def save_checkpoint(
                 torch.save(trainer_state, f)
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-        manifest = {
-            f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-            for f in sorted(tmp.iterdir())
-        }
+        files = sorted(tmp.iterdir())
+        manifest = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
     try:
@@ -283,11 +281,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"{manifest_file} lists {name!r}, which is not a plain file name inside the "
                 "checkpoint (no separators, '..' or absolute paths): refusing to open it"
             )
-        if not (
-            isinstance(entry, dict)
-            and type(entry.get("bytes")) is int
-            and re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))
-        ):
+        sized = isinstance(entry, dict) and type(entry.get("bytes")) is int
+        if not (sized and re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256")))):
             raise CheckpointError(
                 f"{manifest_file} is corrupt: the entry for {name!r} is not "
                 '{"bytes": <size>, "sha256": <64 hex digits>}'

@@ -26,10 +26,10 @@ from base.errors import DataError
 
 # ----- training and evaluation batches -----------------------------------------------------------
 
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y)
 
-def _windows(
-    tokens: np.ndarray, starts: np.ndarray, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> Batch:
     """x = tokens[s : s+length], y = tokens[s+1 : s+length+1] for each start s, as int64."""
     rows = tokens[starts[:, None] + np.arange(length + 1)].astype(np.int64)
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
@@ -125,8 +125,6 @@ def iter_eval_batches(
 
 
 # ----- prefetching: the next training batches, built while the device trains ---------------------
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class PrefetchingSampler:

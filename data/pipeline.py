@@ -73,13 +73,10 @@ def resolve_config(cfg: Mapping[str, Any] | DictConfig) -> dict[str, Any]:
     """Overlay ``cfg`` on the defaults of its named dataset, so ``{"name": "shakespeare"}``
     means the same as the Hydra-composed ``data=shakespeare``."""
     user = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    name = user.get("name")
-    if not name:
+    if not (name := user.get("name")):
         raise DataError(f"data config has no 'name'; known datasets: {', '.join(known_datasets())}")
-    path = DATA_CONFIG_DIR / f"{name}.yaml"
-    if path.is_file():
-        defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        return {**defaults, **user}
+    if (path := DATA_CONFIG_DIR / f"{name}.yaml").is_file():
+        return {**OmegaConf.to_container(OmegaConf.load(path), resolve=True), **user}
     if "source" in user:  # a dataset defined entirely by the caller's own config
         return user
     raise DataError(f"unknown dataset {name!r}; known: {', '.join(known_datasets())}")
@@ -107,10 +104,8 @@ class InvalidCache(Exception):
 
 def fingerprint(tokenizer: str, source: dict[str, Any]) -> str:
     """sha256 over everything that determines the token files."""
-    blob = json.dumps(
-        {"format": FORMAT_VERSION, "tokenizer": tokenizer, "source": source}, sort_keys=True
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
+    fields = {"format": FORMAT_VERSION, "tokenizer": tokenizer, "source": source}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def verify_prepared(

@@ -157,8 +157,7 @@ def file_stats(paths: list[Path]) -> list[list]:
 def text_identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """Every file's path, size and mtime, and how the split is cut."""
     stats = {split: file_stats(files) for split, files in _file_lists(cfg).items()}
-    keys = ("val_fraction", "encoding_errors")
-    return {"files": stats, **{k: cfg.get(k) for k in keys}}
+    return {"files": stats, **{k: cfg.get(k) for k in ("val_fraction", "encoding_errors")}}
 
 
 def tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
@@ -258,12 +257,9 @@ def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.I
     """One split with a single ``text`` column, capped at ``max_documents`` if set."""
     import datasets
 
+    streaming = bool(cfg.get("streaming", False))
     ds = load_dataset(
-        cfg["path"],
-        cfg.get("subset"),
-        split,
-        streaming=bool(cfg.get("streaming", False)),
-        data_files=cfg.get("data_files"),
+        cfg["path"], cfg.get("subset"), split, streaming=streaming, data_files=cfg.get("data_files")
     )
     field = cfg.get("text_field", "text")
     if ds.column_names is not None and field not in ds.column_names:

@@ -119,13 +119,8 @@ class BPE:
 
     def to_json(self) -> str:
         """The saved form: one merge per line, as the hex of its left and right token bytes."""
-        head = {
-            "format": FORMAT,
-            "name": self.name,
-            "vocab_size": self.vocab_size,
-            "pattern": self.pattern,
-            "special_tokens": {ENDOFTEXT: self.eot_token},
-        }
+        head = dict(format=FORMAT, name=self.name, vocab_size=self.vocab_size, pattern=self.pattern)
+        head["special_tokens"] = {ENDOFTEXT: self.eot_token}
         tokens = self.token_bytes
         lines = [f"    {json.dumps([tokens[a].hex(), tokens[b].hex()])}" for a, b in self.merges]
         fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in head.items()]

@@ -37,11 +37,8 @@ class EvalResult:
     stderr: float  # standard error of `loss` across batches: differences below ~2x are noise
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        return {
-            f"{prefix}/loss": self.loss,
-            f"{prefix}/bpb": self.bpb,
-            f"{prefix}/loss_stderr": self.stderr,
-        }
+        values = dict(loss=self.loss, bpb=self.bpb, loss_stderr=self.stderr)
+        return {f"{prefix}/{name}": value for name, value in values.items()}
 
 
 def sliding_windows(
@@ -113,12 +110,9 @@ def evaluate(
     nats, scored, n, loss_sum, loss_sq_sum = all_reduce_sum(stats.tolist(), precision.device)
     mean = nats / scored
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
-    return EvalResult(
-        loss=mean,
-        bpb=bits_per_byte(mean, scored, scored * nbytes / (len(tokens) - 1)),
-        tokens=int(scored),
-        stderr=math.sqrt(max(variance, 0.0) / n),
-    )
+    bpb = bits_per_byte(mean, scored, scored * nbytes / (len(tokens) - 1))
+    stderr = math.sqrt(max(variance, 0.0) / n)
+    return EvalResult(loss=mean, bpb=bpb, tokens=int(scored), stderr=stderr)
 
 
 def evaluate_checkpoint(
@@ -127,10 +121,9 @@ def evaluate_checkpoint(
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
     split or on any UTF-8 `text_file`, or its downstream task metrics. See configs/evaluate.yaml
     for the keys; `say` shows the plan, and each task's result as it comes."""
-    source = cfg["checkpoint"]
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
-    source = find_checkpoint(None) if source is None else source
+    source = find_checkpoint(None) if cfg["checkpoint"] is None else cfg["checkpoint"]
     ckpt = load_source(source, device)
     if ckpt.model.config.attention in unavailable_attention(device):  # triton's kernel, no GPU
         ckpt = load_source(source, device, attention="sdpa")  # a run-time field: same function

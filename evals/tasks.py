@@ -54,21 +54,13 @@ def _clean(text: str) -> str:
 
 
 def _hellaswag(doc: dict[str, Any]) -> tuple[str, list[str], int]:
-    ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-    return (
-        _clean(doc["activity_label"] + ": " + ctx),
-        [_clean(e) for e in doc["endings"]],
-        int(doc["label"]),
-    )
+    ctx = _clean(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
+    return ctx, [_clean(e) for e in doc["endings"]], int(doc["label"])
 
 
 def _arc(doc: dict[str, Any]) -> tuple[str, list[str], int]:
-    choices = doc["choices"]
-    return (
-        f"Question: {doc['question']}\nAnswer:",
-        choices["text"],
-        choices["label"].index(doc["answerKey"]),
-    )
+    choices, question = doc["choices"], f"Question: {doc['question']}\nAnswer:"
+    return question, choices["text"], choices["label"].index(doc["answerKey"])
 
 
 def _lambada(doc: dict[str, Any]) -> tuple[str, list[str], int]:
@@ -78,9 +70,7 @@ def _lambada(doc: dict[str, Any]) -> tuple[str, list[str], int]:
 
 # format: (the fields an item needs, how it becomes (context, choices, gold)); each choice is
 # scored as " " + choice, the harness's target delimiter (LAMBADA's target carries the same space).
-FORMATS: dict[
-    str, tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[str, list[str], int]]]
-] = {
+FORMATS = {
     "hellaswag": (("activity_label", "ctx_a", "ctx_b", "endings", "label"), _hellaswag),
     "arc": (("question", "choices", "answerKey"), _arc),
     "lambada": (("text",), _lambada),
@@ -230,19 +220,15 @@ def score_task(
             best = max(range(len(lls)), key=lls.__getitem__)  # the first of equals, as np.argmax
             best_norm = max(range(len(norm)), key=norm.__getitem__)
             hit = greedy[0] if task.format == "lambada" else best == item.gold
-            totals += torch.tensor(
-                [1, hit, best_norm == item.gold, lls[item.gold]], dtype=torch.float64
-            )
+            row = [1, hit, best_norm == item.gold, lls[item.gold]]
+            totals += torch.tensor(row, dtype=torch.float64)
             if progress is not None:
                 progress(k)
     n, acc, acc_norm, ll = all_reduce_sum(totals.tolist(), precision.device)
 
     def with_stderr(name: str, hits: float) -> dict[str, float]:
-        p = hits / n  # the harness's stderr: the sample standard deviation over sqrt(n)
-        return {
-            name: p,
-            f"{name}_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else None,  # JSON null
-        }
+        p = hits / n  # the harness's stderr, the sample std over sqrt(n); JSON null at n = 1
+        return {name: p, f"{name}_stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else None}
 
     if task.format == "lambada":
         return {**with_stderr("acc", acc), "perplexity": math.exp(-ll / n), "items": int(n)}

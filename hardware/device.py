@@ -159,8 +159,7 @@ def probed_dtype(what: str, bf16_speedup: Callable[[], float]) -> tuple[torch.dt
     """(bfloat16 or float32 for `what` on this CPU, a line saying why): as CAUSALGPT_CPU_AUTO_DTYPE
     pins it, else bfloat16 where `bf16_speedup()` (`measured_once`) is at least
     BF16_MIN_SPEEDUP."""
-    pinned = os.environ.get(AUTO_DTYPE_ENV)
-    if pinned:
+    if pinned := os.environ.get(AUTO_DTYPE_ENV):
         choice(AUTO_DTYPE_ENV, pinned, ["float32", "bfloat16"])
         return DTYPES[pinned], f"dtype=auto: {pinned}, set by {AUTO_DTYPE_ENV}"
     speedup = measured_once(what, bf16_speedup)

@@ -2,9 +2,4 @@
 
 from inference.generate import SamplingParams, TextStream, generate, stream_tokens
 
-__all__ = [
-    "SamplingParams",
-    "TextStream",
-    "generate",
-    "stream_tokens",
-]
+__all__ = ["SamplingParams", "TextStream", "generate", "stream_tokens"]

@@ -301,8 +301,7 @@ class TextStream:
 
     def _release(self, new: str) -> str:
         buf = self._held + new
-        hits = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
-        if hits:
+        if hits := [i for i in (buf.find(s) for s in self._stop) if i >= 0]:
             self._held, self.done, shown = "", True, buf[: min(hits)]
         else:
             held = max((_overlap(buf, s) for s in self._stop), default=0)

@@ -208,18 +208,11 @@ class Server:
             req.temperature, req.top_k, top_p, req.min_p, req.repetition_penalty
         )
         seed = secrets.randbits(62) if req.seed is None else req.seed
-        ids = [self.encode(p) for p in prompts]
-        return [
-            Job(
-                ids[i // req.n],
-                params,
-                req.max_tokens,
-                torch.Generator().manual_seed(seed + i),
-                TextStream(self.tokenizer, stop),
-                emit,
-            )
-            for i in range(len(prompts) * req.n)
-        ]
+        ids, jobs = [self.encode(p) for p in prompts], []
+        for i in range(len(prompts) * req.n):  # each choice: its own generator and text
+            gen, text = torch.Generator().manual_seed(seed + i), TextStream(self.tokenizer, stop)
+            jobs.append(Job(ids[i // req.n], params, req.max_tokens, gen, text, emit))
+        return jobs
 
     def logprobs(self, token: int, logits: torch.Tensor, top: int) -> dict:
         """OpenAI's legacy logprobs of one token: its own and the `top` likeliest."""
@@ -248,15 +241,9 @@ class Server:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         jobs = await asyncio.to_thread(self.jobs, req, prompts, emit)
         if not self.batcher.submit(jobs):
-            raise ApiError(
-                429, "the server is full; retry in a moment", None, **{"Retry-After": "1"}
-            )
-        head = dict(
-            id=f"cmpl-{secrets.token_hex(12)}",
-            object="text_completion",
-            created=int(time.time()),
-            model=self.name,
-        )
+            raise ApiError(429, "the server is full; retry in a moment", **{"Retry-After": "1"})
+        completion_id, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        head = dict(id=completion_id, object="text_completion", created=created, model=self.name)
         echoed = [prompts[i // req.n] if req.echo else "" for i in range(len(jobs))]
 
         async def choices() -> AsyncIterator[dict]:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
-from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig, unavailable_attention
+from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig, eval_mode, unavailable_attention
 
 TRAIN_DROPOUT = 0.1  # the train-mode checks' dropout when the model has none
 # A shrunk copy: every option, 4 dimensions per head, a 64-token vocabulary, a 16-token context
@@ -277,17 +277,14 @@ def check_causality(
     idx = random_tokens(model, seq_len, batch_size, seed)
     dropout = model.config.dropout or TRAIN_DROPOUT
     modes = (("eval", {}), (f"train, dropout {dropout:g}", {"dropout": dropout}))
-    was_training = model.training
     checks = []
-    try:
+    with eval_mode(model):  # the model's mode is put back after the checks
         for impl, (mode, changes) in itertools.product(impls, modes):
             m = _variant(model, attention=impl, **changes).train(mode != "eval")
             found = [perturbation_check(m, idx, seed), jacobian_check(m, idx, seed)]
             if not m.training:
                 found.append(kv_cache_check(m, idx))
             checks += [dataclasses.replace(c, name=f"{impl} {c.name} ({mode})") for c in found]
-    finally:
-        model.train(was_training)
     return CausalityReport(checks)
 
 

@@ -237,6 +237,8 @@ def make_norm(config: GPTConfig) -> nn.Module:
 # depends on their vectors and on n - m only: attention sees relative positions, and nothing is
 # learned per absolute position.
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # the (cos, sin) tables at some positions, as below
+
 
 class RotaryTables(nn.Module):
     """cos and sin of p * theta_i for every position p < block_size, computed once."""
@@ -249,7 +251,7 @@ class RotaryTables(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # (block_size, hs/2)
         self.register_buffer("sin", sin, persistent=False)  # (block_size, hs/2)
 
-    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, device: torch.device | None) -> Rope:
         hs = self.head_size
         theta = self.base ** (-torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)
         positions = torch.arange(self.block_size, dtype=torch.float32, device=device)
@@ -265,7 +267,7 @@ class RotaryTables(nn.Module):
         self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, pos: torch.Tensor) -> Rope:
         """cos and sin at positions pos (T,), each (1, T, hs/2), broadcast over batch and heads;
         at positions of each row's own (B, T), (B, 1, T, hs/2)."""
         return self.cos[pos].unsqueeze(-3), self.sin[pos].unsqueeze(-3)
@@ -379,10 +381,7 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", allowed, persistent=False)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, x: torch.Tensor, cache: KVCache | None = None, rope: Rope | None = None
     ) -> torch.Tensor:
         """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
         earlier ones come from the cache. rope: the (cos, sin) tables of x's positions
@@ -410,19 +409,14 @@ class CausalSelfAttention(nn.Module):
             y = triton_causal_attention(q, k, v, dropout_p)  # (B, nh, T, hs)
         else:  # sdpa
             y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if fresh else allowed,
-                dropout_p=dropout_p,
-                is_causal=fresh,
+                q, k, v, attn_mask=None if fresh else allowed, dropout_p=dropout_p, is_causal=fresh
             )  # (B, nh, T, hs)
 
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
         return self.resid_dropout(self.c_proj(y))  # W_O
 
     def heads(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, x: torch.Tensor, rope: Rope | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs)."""
         B, T, C = x.shape
@@ -436,9 +430,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
         return q, k, v
 
-    def probs(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
+    def probs(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """The attention probabilities S of x (B, T, C) from the formula, whatever `impl` is
         (flash never forms S): (B, nh, T, T)."""
         T = x.size(1)
@@ -498,10 +490,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, x: torch.Tensor, cache: KVCache | None = None, rope: Rope | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, rope)
         x = x + self.mlp(self.ln_2(x))
@@ -515,14 +504,10 @@ class GPT(nn.Module):
         modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings
         if config.pos_embedding == "learned":
             modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # learned positions
-        self.transformer = nn.ModuleDict(
-            dict(
-                **modules,
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-                ln_f=make_norm(config),
-            )
-        )
+        modules["drop"] = nn.Dropout(config.dropout)
+        modules["h"] = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        modules["ln_f"] = make_norm(config)
+        self.transformer = nn.ModuleDict(modules)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -542,12 +527,10 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
@@ -577,14 +560,13 @@ class GPT(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (..., vocab) of final hidden states x (..., C)."""
         logits = self.lm_head(x)
-        if self.config.logit_softcap is not None:
-            cap = self.config.logit_softcap
+        if (cap := self.config.logit_softcap) is not None:
             logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
         return logits
 
     def embed(
         self, tok_emb: torch.Tensor, cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, Rope | None]:
         """The first block's input from token embeddings (B, T, C) at positions 0 .. T - 1, or
         after the cache's, and rope's (cos, sin) tables of those positions (None for learned)."""
         T, start = tok_emb.size(1), 0 if cache is None else cache.length
@@ -594,13 +576,9 @@ class GPT(nn.Module):
                 "crop it to the last block_size tokens"
             )
         pos = torch.arange(T, device=tok_emb.device) if cache is None else cache.positions(T)
-        rope = None
-        if self.rotary is not None:
-            x = tok_emb  # positions enter through q and k, in every layer's attention
-            rope = self.rotary(pos)  # (cos, sin)
-        else:
-            x = tok_emb + self.transformer.wpe(pos)  # (B, T, C)
-        return self.transformer.drop(x), rope
+        if self.rotary is not None:  # positions enter through q and k, in every layer's attention
+            return self.transformer.drop(tok_emb), self.rotary(pos)  # (cos, sin)
+        return self.transformer.drop(tok_emb + self.transformer.wpe(pos)), None  # (B, T, C)
 
     @torch.no_grad()
     def attention_probs(self, idx: torch.Tensor) -> torch.Tensor:
@@ -640,10 +618,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.causal_mask = block.attn.causal_mask[:block_size, :block_size]
         if self.rotary is not None:
-            c = self.config
-            self.rotary = RotaryTables(c.head_size, block_size, c.rope_base).to(
-                self.transformer.wte.weight.device
-            )
+            rotary, device = self.rotary, self.transformer.wte.weight.device
+            self.rotary = RotaryTables(rotary.head_size, block_size, rotary.base).to(device)
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count (tied weights once); by default without position embeddings, as

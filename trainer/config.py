@@ -249,8 +249,7 @@ def resumable_keys(kind: type = RunConfig, prefix: str = "") -> tuple[str, ...]:
 def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
     """kind(**values); `prefix` ("optim." or "") names the section in the error."""
     names = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(values) - names)
-    if unknown:
+    if unknown := sorted(set(values) - names):
         raise ConfigError(
             f"unknown config key {prefix}{unknown[0]}; known keys: "
             + ", ".join(f"{prefix}{n}" for n in sorted(names))

@@ -86,8 +86,7 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        vars(self).update(state)
 
 
 # What to do with an optimizer step whose loss or gradients are not finite.
@@ -169,9 +168,8 @@ class Trainer:
                 "matrices); use parallel.strategy=ddp"
             )
         # 1. The machine.
-        self.device = init_distributed(
-            self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
-        )
+        device = resolve_device(cfg.device)
+        self.device = init_distributed(self.dist, device, cfg.parallel.timeout_s)
         self.precision = resolve_precision(self.device, cfg.dtype)
         if sharded and self.precision.needs_grad_scaler:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
@@ -188,14 +186,10 @@ class Trainer:
             from evals.tasks import load_task, task_config  # loaded for tasks alone
 
             with main_first():  # rank 0 downloads a hub task once; the others read its cache
-                self.tasks = [
-                    load_task(
-                        {**task_config(name), "limit": train.eval_task_items},
-                        self.data.tokenizer(),
-                        self.model.config.block_size,
-                    )
-                    for name in train.eval_tasks
-                ]
+                tokenizer, block_size = self.data.tokenizer(), self.model.config.block_size
+                for name in train.eval_tasks:
+                    task = {**task_config(name), "limit": train.eval_task_items}
+                    self.tasks.append(load_task(task, tokenizer, block_size))
         # 3. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
         # and the optimizer over the (sharded) parameters.
         self.checkpoints = CheckpointManager(
@@ -218,9 +212,8 @@ class Trainer:
             compile=cfg.compile,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if self.precision.needs_grad_scaler else None
-        )
+        scaled = self.precision.needs_grad_scaler  # float16
+        self.scaler = torch.amp.GradScaler(self.device.type) if scaled else None
         block_size = self.model.config.block_size
         self.sampler = BatchSampler(
             self.data.tokens("train"), block_size, train.batch_size, cfg.seed, self.dist.rank, world
@@ -282,12 +275,8 @@ class Trainer:
         checks it first (trainer/preflight.py: the loaded weights, or a shrunk copy of the new
         architecture), and its memory is estimated before it is allocated: a run that cannot
         fit is refused."""
-        cfg = self.cfg
-        model = (
-            pretrained_model(cfg.train.init_from, cfg.model, self.data)
-            if cfg.train.init_from
-            else None
-        )
+        cfg, init_from = self.cfg, self.cfg.train.init_from
+        model = pretrained_model(init_from, cfg.model, self.data) if init_from else None
         self.causality = causality_guard(cfg, self.dist.is_main, model, self.device)
         if model is not None:
             config = model.config
@@ -332,18 +321,13 @@ class Trainer:
                 f"final evaluation: the whole validation split, {len(tokens) - 1:,} tokens"
             )
         share = eval_tokens(len(tokens), block, rank, world)  # this rank's, which it counts
+        nbytes, batches = self.data.meta["splits"]["val"]["bytes"], self.cfg.train.eval_steps
         with Progress(share, "token", enabled=shown) as progress:
             return evaluate(
-                self.model,
-                tokens,
-                self.data.meta["splits"]["val"]["bytes"],
-                self.cfg.train.batch_size,
-                self.precision,
-                max_batches=None if whole_split else self.cfg.train.eval_steps,
-                rank=self.dist.rank,
-                world_size=self.dist.world_size,
-                progress=progress.update,
-            )
+                self.model, tokens, nbytes, self.cfg.train.batch_size, self.precision,
+                max_batches=None if whole_split else batches,
+                rank=rank, world_size=world, progress=progress.update,
+            )  # fmt: skip
 
     # ----- training ------------------------------------------------------------------------
 
@@ -353,9 +337,8 @@ class Trainer:
         tensor): the loss is averaged over ranks only where it is logged."""
         cfg = self.cfg
         time_fraction = self.budget.time_fraction(self.state.elapsed)  # see lr_scale
-        set_lr(
-            self.optimizer, lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction)
-        )
+        scale = lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction)
+        set_lr(self.optimizer, scale)
         accum = cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
@@ -513,9 +496,8 @@ class Trainer:
         step = self.state.step
         eta = self.budget.eta(step, self.state.elapsed, self.tokens_per_step / tok_s)
         self.progress.update(step, f"{format_metrics(values)} | eta {format_seconds(eta)}")
-        self._record(
-            {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}, step
-        )
+        metrics = {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}
+        self._record(metrics, step)
 
     def _raise_peak(self, tok_s: float) -> None:
         """The run beat the CPU's peak: it was measured on a busy machine. Measure it again,
@@ -631,13 +613,10 @@ class Trainer:
         if summary["val_loss"] is None:
             result = " (train.final_eval=none: no final evaluation)"
         else:
-            split = (
-                f"whole validation split ({summary['val_tokens']:,} tokens, non-overlapping "
-                f"windows of {self.model.config.block_size})"
-                if summary["final_eval"] == "whole"
-                else f"validation subset ({summary['val_tokens']:,} tokens, train.eval_steps "
-                "batches)"
-            )
+            tokens, block = f"{summary['val_tokens']:,} tokens", self.model.config.block_size
+            split = f"whole validation split ({tokens}, non-overlapping windows of {block})"
+            if summary["final_eval"] != "whole":
+                split = f"validation subset ({tokens}, train.eval_steps batches)"
             result = f"; {split}: loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}"
         sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
         print(

@@ -333,17 +333,13 @@ def _result(job_dir: Path) -> list[str]:
 def sweep_table(sweep_dir: str | Path) -> str:
     """A markdown table of the runs under `sweep_dir` (`<n>/` each), showing the overrides that
     differ between them, the last step, and the final validation loss and bpb."""
-    jobs = sorted(
-        (p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()),
-        key=lambda p: int(p.name),
-    )
+    runs = (p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit())
+    jobs = sorted(runs, key=lambda p: int(p.name))
     overrides = {job: _overrides(job) for job in jobs}
     keys = sorted({k for o in overrides.values() for k in o})
     varied = [k for k in keys if len({o.get(k) for o in overrides.values()}) > 1]
-    lines = [
-        "| run | " + " | ".join([*varied, "step", "val loss", "val bpb"]) + " |",
-        "|" + " --- |" * (len(varied) + 4),
-    ]
+    header = " | ".join([*varied, "step", "val loss", "val bpb"])
+    lines = [f"| run | {header} |", "|" + " --- |" * (len(varied) + 4)]
     for job in jobs:
         cells = [overrides[job].get(k, "") for k in varied] + _result(job)
         lines.append(f"| {job.name} | " + " | ".join(cells) + " |")
