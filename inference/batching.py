@@ -147,12 +147,10 @@ class Batcher:
                 self.wake.wait_for(lambda: self.active or self.waiting)
             try:
                 self.step()
-            except Exception:  # the shared forward failed: its traceback shown, every job ended
-                traceback.print_exc()
+            except Exception:  # the shared forward failed: every job ends
                 with self.wake:
                     failed, self.active, self.waiting = self.active + self.waiting, [], []
-                for job in failed:
-                    job.emit(job, "", -1, "error", None)
+                _fail(failed)
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor | None:
@@ -184,9 +182,7 @@ class Batcher:
                 job.seq = torch.cat([job.seq, token[:, None]], dim=1)
                 self._emit(job, int(token), logits[row])
             except Exception:  # this job's own failure (its sampling, its text) ends it alone
-                traceback.print_exc()
-                job.cancelled = True
-                job.emit(job, "", -1, "error", None)
+                _fail([job])
         return logits
 
     def _fill(self, row: int, job: Job) -> None:
@@ -216,3 +212,11 @@ class Batcher:
             if reason is None and len(job.tokens) == job.max_tokens:
                 text, reason = text + job.text.finish(), "length"
         job.emit(job, text, token, reason, logits)
+
+
+def _fail(jobs: list[Job]) -> None:
+    """A bug ended these jobs: its traceback shown, each cancelled and told "error"."""
+    traceback.print_exc()
+    for job in jobs:
+        job.cancelled = True
+        job.emit(job, "", -1, "error", None)

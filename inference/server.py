@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import tiktoken
 import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -40,6 +39,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from tiktoken import Encoding
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import check, is_int, user_errors
@@ -109,14 +109,7 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 class Server:
     """The model, its tokenizer, the batcher and the limits behind the app's routes."""
 
-    def __init__(
-        self,
-        model: GPT,
-        tokenizer: tiktoken.Encoding,
-        name: str,
-        limits: dict,
-        hosts: set[str] | None,
-    ):
+    def __init__(self, model: GPT, tokenizer: Encoding, name: str, limits: dict, hosts: set | None):
         """hosts: the Host headers a request may carry (None: any, for a wildcard address)."""
         self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits
         self.key, self.hosts = limits.pop("api_key"), hosts
@@ -176,14 +169,12 @@ class Server:
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's tokens (sample.py's: <|endoftext|> for an empty one), within the limit."""
-        limit = self.limits["max_prompt_tokens"]
+        most = self.limits["max_prompt_tokens"]
         if len(prompt) > self.max_prompt_chars:
-            raise ApiError(
-                400, f"prompt is {len(prompt)} characters, over {limit} tokens", "prompt"
-            )
+            raise ApiError(400, f"prompt is {len(prompt)} characters, over {most} tokens", "prompt")
         ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
-        if len(ids) > limit:
-            raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {limit}", "prompt")
+        if len(ids) > most:
+            raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {most}", "prompt")
         return ids
 
     def jobs(self, req: CompletionRequest, prompts: list[str], emit: Any) -> list[Job]:
@@ -301,9 +292,7 @@ class Server:
         max_queue waiting, a 429; a view whose client leaves before its turn never runs."""
         req = await self.parse(request, kind)
         if self.viewing > self.limits["max_queue"]:
-            raise ApiError(
-                429, "the page's views are busy; retry in a moment", **{"Retry-After": "1"}
-            )
+            raise ApiError(429, "page views are busy; retry in a moment", **{"Retry-After": "1"})
         self.viewing += 1
         work = asyncio.get_running_loop().run_in_executor(self.views, show, req)
         gone = asyncio.ensure_future(_hang_up(request))
@@ -396,11 +385,7 @@ class HeaderDeadline(H11Protocol):
         cycle = self.cycle
         super().data_received(data)
         if self.cycle is not cycle:  # a request's headers are in
-            self.deadline.cancel()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.deadline.cancel()
-        super().connection_lost(exc)
+            self.deadline.cancel()  # (on a closed connection, uvicorn's handler does nothing)
 
 
 def cancel(jobs: list[Job]) -> None:
@@ -516,8 +501,6 @@ def model_name(source: str, path: Path) -> str:
 def allowed_hosts(host: str, where: str) -> set[str] | None:
     """The Host headers a request may carry: the address served (`where`, host:port), and on
     loopback its other names; None (any) for a wildcard address, which has no one name."""
-    if host in ("0.0.0.0", "::"):
-        return None
-    port = where.rsplit(":", 1)[1]
-    names = ["127.0.0.1", "localhost", "[::1]"] if host in LOOPBACK else [where.rsplit(":", 1)[0]]
-    return {f"{name}:{port}" for name in names}
+    served, port = where.rsplit(":", 1)
+    names = ["127.0.0.1", "localhost", "[::1]"] if host in LOOPBACK else [served]
+    return None if host in ("0.0.0.0", "::") else {f"{name}:{port}" for name in names}

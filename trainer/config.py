@@ -82,10 +82,6 @@ def _betas(key: str, value: Any) -> tuple[float, float]:
     return tuple(number(key, b, 0.0, 0.999999) for b in value)
 
 
-def _unit_interval(key: str, value: Any) -> float:
-    return number(key, value, 0.0, 1.0)
-
-
 def _at_least_0(key: str, value: Any) -> float:
     return number(key, value, low=0.0)
 
@@ -158,7 +154,7 @@ class OptimSettings:
     warmup_steps: int = setting(non_negative_int, resumable=False)
     schedule: Literal["cosine", "wsd", "constant"] = setting(resumable=False)
     # wsd: the final fraction of steps (or max_seconds) that decays
-    decay_fraction: float = setting(_unit_interval, resumable=False)
+    decay_fraction: float = setting(lambda k, v: number(k, v, 0.0, 1.0), resumable=False)
     grad_clip: float = setting(_at_least_0, resumable=False)  # max gradient norm (0: none)
     # name=muon only: the block matrices' optimizer (ignored by adamw)
     muon_lr: float = setting(positive, resumable=False)  # peak learning rate of the Muon group
