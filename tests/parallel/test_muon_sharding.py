@@ -30,7 +30,8 @@ def _run(params_file: str, world: int, rank: int = 0, store_file: str | None = N
             p.grad = torch.randn_like(p)  # the same on every rank, as after DDP's all-reduce
         opt.step()
     torch.save([p.detach() for p in params], params_file)
-    if store_file is not None:
+    if store_file is not None:  # both ranks past their last collective before either leaves
+        dist.barrier()  # (a rank tearing gloo down mid-collective aborted once, under load)
         dist.destroy_process_group()
     return len(calls)
 
