@@ -176,12 +176,17 @@ class Batcher:
         newest = torch.cat([job.seq[:, -1:] for job in jobs])  # (rows, 1)
         x = self.decoder.hidden_states(newest, self.cache)
         logits = self.decoder.logits(x[:, -1]).masked_fill(self.padding, float("-inf"))
-        for row, job in enumerate(jobs):
+        tokens = next_token(  # (rows,): all in one pass, each row with its own job's settings
+            logits,
+            [job.seq for job in jobs],
+            [job.params for job in jobs],
+            [job.generator for job in jobs],
+        )
+        for row, (job, token) in enumerate(zip(jobs, tokens.tolist(), strict=True)):
             try:
-                token = next_token(logits[row : row + 1], job.seq, job.params, job.generator)
-                job.seq = torch.cat([job.seq, token[:, None]], dim=1)
-                self._emit(job, int(token), logits[row])
-            except Exception:  # this job's own failure (its sampling, its text) ends it alone
+                job.seq = torch.cat([job.seq, tokens[row, None, None]], dim=1)
+                self._emit(job, token, logits[row])
+            except Exception:  # this job's own failure (its text, its callback) ends it alone
                 _fail([job])
         return logits
 

@@ -34,11 +34,12 @@ from model import GPT
 # repetition penalty -> temperature -> top-k -> top-p -> min-p.
 #
 # Each takes float logits (B, V) and returns new logits in which removed tokens are -inf, so the
-# filters compose and the final softmax renormalises over the tokens that survive.
+# filters compose and the final softmax renormalises over the tokens that survive. A setting is
+# one number for every row, or each row's own, (B, 1): a server's batch samples in one pass.
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, context: torch.Tensor, penalty: float
+    logits: torch.Tensor, context: torch.Tensor, penalty: float | torch.Tensor
 ) -> torch.Tensor:
     """CTRL's penalty (Keskar et al., 2019): every token that occurs in `context` (B, T) gets
     less likely. Positive logits are divided by `penalty`, negative ones multiplied by it
@@ -48,13 +49,17 @@ def apply_repetition_penalty(
     return logits.scatter(-1, context, seen)
 
 
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_filter(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Keep exactly the k highest logits of each row (ties broken by topk's order)."""
-    keep = logits.topk(min(k, logits.size(-1)), dim=-1).indices
-    return torch.full_like(logits, float("-inf")).scatter(-1, keep, logits.gather(-1, keep))
+    most = min(int(k if isinstance(k, int) else k.max()), logits.size(-1))
+    keep = logits.topk(most, dim=-1).indices  # (B, most), highest first
+    kept = logits.gather(-1, keep)
+    if not isinstance(k, int):  # each row's own k: its first k of them
+        kept = kept.masked_fill(torch.arange(most, device=k.device) >= k, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, keep, kept)
 
 
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     """Nucleus sampling (Holtzman et al., 2020): keep the smallest set of most likely tokens
     whose probabilities add up to at least p. The most likely token always survives."""
     sorted_probs, order = F.softmax(logits, dim=-1).sort(dim=-1, descending=True)
@@ -65,7 +70,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+def min_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     """min-p (Nguyen et al., 2024): keep tokens at least p times as likely as the most likely
     one, so the cut adapts to how confident the model is."""
     probs = F.softmax(logits, dim=-1)
@@ -100,26 +105,42 @@ class SamplingParams:
 
 def next_token(
     logits: torch.Tensor,
-    context: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None = None,
+    context: torch.Tensor | list[torch.Tensor],
+    params: SamplingParams | list[SamplingParams],
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """The next token (B,) from last-position logits (B, V), given the tokens so far (B, T)
     (for the repetition penalty). Randomness comes only from `generator`, for reproducibility.
+    A server's batch gives each row its own: contexts (1, T_r), params and generators in lists,
+    sampled in one pass, each row's token the one it would draw alone.
     Always a token the logits allow: where the settings leave no distribution (a temperature
     or penalty so near 0 that the logits overflow and every probability is NaN), the greedy one,
     their limit."""
+    rows, device = logits.size(0), logits.device
+    each = params if isinstance(params, list) else [params]
+
+    def column(values: list) -> Any:  # one number for every row, or each row's own (B, 1)
+        return values[0] if len(set(values)) == 1 else torch.tensor(values, device=device)[:, None]
+
     logits = logits.float()
-    if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    if any(p.repetition_penalty != 1.0 for p in each):
+        if isinstance(context, list):  # each row padded with its own first token: seen already
+            longest = max(c.size(1) for c in context)
+            context = torch.cat(
+                [F.pad(c, (0, longest - c.size(1)), value=int(c[0, 0])) for c in context]
+            )
+        logits = apply_repetition_penalty(
+            logits, context, column([p.repetition_penalty for p in each])
+        )
     greedy = logits.argmax(dim=-1)
-    if params.temperature == 0:
+    if all(p.temperature == 0 for p in each):
         return greedy
-    logits = logits / params.temperature
-    filters = {top_k_filter: params.top_k, top_p_filter: params.top_p, min_p_filter: params.min_p}
-    for keep, value in filters.items():  # in this order; None: that filter is off
-        if value is not None:
-            logits = keep(logits, value)
+    logits = logits / column([p.temperature or 1.0 for p in each])  # 0: greedy (below)
+    for keep, name in {top_k_filter: "top_k", top_p_filter: "top_p", min_p_filter: "min_p"}.items():
+        on = [getattr(p, name) is not None for p in each]  # in this order; None: off
+        if any(on):
+            filtered = keep(logits, column([getattr(p, name) or 0 for p in each]))
+            logits = filtered if all(on) else torch.where(column(on), filtered, logits)
     probs = F.softmax(logits, dim=-1)
     # Inverse-CDF sampling: one uniform u per row, and the first token whose cumulative
     # probability exceeds u * total is token i with probability p_i, the distribution of
@@ -128,12 +149,17 @@ def next_token(
     # in float64 so that no entry's share is rounded.
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
-    u = torch.rand(probs.size(0), 1, generator=generator, dtype=torch.float64) * total
+    if isinstance(generator, list):  # each row's uniform from its own generator
+        u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])
+    else:
+        u = torch.rand(rows, 1, generator=generator, dtype=torch.float64)
+    u = u * total
     # u * total may round up to the total, past every entry: keep u below it, where the first
     # entry above u is still one that adds probability
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # c[i-1] <= u < c[i]: p_i > 0
-    return torch.where(total.squeeze(-1) > 0, drawn, greedy)  # NaN > 0 is False
+    sampled = (total > 0) & column([p.temperature > 0 for p in each])  # NaN > 0 is False
+    return torch.where(sampled.squeeze(-1), drawn, greedy)
 
 
 def window_start(length: int, start: int | None, block_size: int) -> int:

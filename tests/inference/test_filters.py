@@ -73,3 +73,10 @@ def test_repetition_penalty_lowers_every_seen_token_and_nothing_else():
 def test_repetition_penalty_below_one_favours_seen_tokens():
     out = apply_repetition_penalty(torch.tensor([[2.0, -2.0]]), torch.tensor([[0, 1]]), 0.5)
     assert out.tolist() == [[4.0, -1.0]]
+
+
+def test_top_k_keeps_each_rows_own_k_in_a_batch():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]]).repeat(2, 1)
+    out = top_k_filter(logits, torch.tensor([[1], [3]]))  # a server's rows: k of their own
+    assert kept(out[:1]) == [1] and kept(out[1:]) == [1, 2, 3]
+    assert out[1, 1] == 5.0 and out[1, 2] == 3.0  # kept logits unchanged

@@ -347,3 +347,33 @@ def test_padded_rows_are_never_trained_toward():
     (grad,) = torch.autograd.grad(loss, logits)
     assert (grad[..., 40:] > 0).all()
     assert (grad[..., :40] < 0).any()
+
+
+MIXED = [  # a server's batch: every row its own settings
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.9, top_k=5, top_p=None),
+    SamplingParams(temperature=1.2, top_k=None, top_p=0.8, repetition_penalty=1.3),
+    SamplingParams(temperature=0.7, top_k=None, min_p=0.1),
+    SamplingParams(temperature=0, repetition_penalty=2.0),
+    SamplingParams(),  # sample.yaml's
+]
+
+
+def test_a_batch_of_rows_with_their_own_settings_draws_what_each_row_draws_alone():
+    """One pass over rows with their own settings, contexts and generators gives, step after
+    step, the tokens each row's own call gives with the same seed."""
+    torch.manual_seed(0)
+    contexts = [torch.randint(0, 50, (1, n)) for n in (3, 7, 1, 12, 5, 9)]
+    alone = [torch.Generator().manual_seed(i) for i in range(len(MIXED))]
+    together = [torch.Generator().manual_seed(i) for i in range(len(MIXED))]
+    for _ in range(50):
+        logits = torch.randn(len(MIXED), 50) * 3
+        one_by_one = [
+            int(next_token(logits[r : r + 1], contexts[r], MIXED[r], alone[r]))
+            for r in range(len(MIXED))
+        ]
+        assert next_token(logits, contexts, MIXED, together).tolist() == one_by_one
+        contexts = [
+            torch.cat([c, torch.tensor([[t]])], 1)
+            for c, t in zip(contexts, one_by_one, strict=True)
+        ]
