@@ -57,18 +57,19 @@ from trainer.config import OptimSettings
 
 
 def zeropower_via_newtonschulz5(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """An approximately semi-orthogonal matrix U V^T for g = U S V^T (2-D), in bfloat16 where
-    its matmuls are fast (CUDA; a CPU whose dtype=auto probe picked it), else float32.
+    """An approximately semi-orthogonal matrix U V^T for g = U S V^T, in bfloat16 where its
+    matmuls are fast (CUDA; a CPU whose dtype=auto probe picked it), else float32. g is a
+    matrix (..., rows, cols) or a stack of them, each orthogonalized alone.
 
     The Frobenius normalization puts every singular value in (0, 1], where the quintic's
     iteration pushes them towards ~1. Wide or tall: iterate on the wide orientation, whose
     Gram matrix X X^T is the smaller one."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(fast_matmul_dtype(g.device))
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
-    x = x / (x.norm() + 1e-7)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -92,36 +93,46 @@ class Muon(torch.optim.Optimizer):
             (self._muon_step if group["use_muon"] else self._adamw_step)(group)
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        """Under DDP every rank holds the same gradients, so the Newton-Schulz work is dealt
-        round-robin (matrix i to rank i mod world_size) and each result broadcast from its
-        owner, as modded-nanogpt does: each rank orthogonalizes 1/world_size of the matrices,
-        and every rank still applies the same update."""
+        """The matrices of one shape (every block's c_fc, say) are orthogonalized together, one
+        batched Newton-Schulz iteration per shape: a few large matmuls instead of many small
+        ones (the optimizer's cost is mostly their dispatch at speedrun sizes; docs/speedrun.md).
+        Under DDP every rank holds the same gradients, so the shapes are dealt round-robin
+        (shape i to rank i mod world_size) and each result broadcast from its owner, as
+        modded-nanogpt deals its matrices: every rank still applies the same update."""
         lr, beta = group["lr"], group["momentum"]
         params = [p for p in group["params"] if p.grad is not None]
         sharded = dist.is_initialized() and dist.get_world_size() > 1
         rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-        updates, pending = [], []
-        for i, p in enumerate(params):
+        by_shape: dict[torch.Size, list[nn.Parameter]] = {}
+        for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - beta)  # buf = beta * buf + (1 - beta) * grad
-            # Nesterov: look ahead along the momentum (grad is not modified in place).
-            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            by_shape.setdefault(p.shape, []).append(p)
+        groups, updates, pending = list(by_shape.values()), [], []
+        for i, same in enumerate(groups):
             if i % world == rank:
-                update = zeropower_via_newtonschulz5(update, group["ns_steps"]).contiguous()
+                # Nesterov: look ahead along the momentum (grad is not modified in place).
+                momenta = [self.state[p]["momentum_buffer"] for p in same]
+                if group["nesterov"]:
+                    momenta = torch._foreach_lerp([p.grad for p in same], momenta, beta)
+                stack = zeropower_via_newtonschulz5(torch.stack(momenta), group["ns_steps"])
+                stack = stack.contiguous()  # (n, rows, cols)
             else:  # filled by its owner's broadcast
-                update = torch.empty_like(update, dtype=fast_matmul_dtype(update.device))
+                dtype, device = fast_matmul_dtype(same[0].device), same[0].device
+                stack = torch.empty((len(same), *same[0].shape), dtype=dtype, device=device)
             if sharded:
-                pending.append(dist.broadcast(update, src=i % world, async_op=True))
-            updates.append(update)
+                pending.append(dist.broadcast(stack, src=i % world, async_op=True))
+            updates.append(stack)
         for work in pending:
             work.wait()
-        for p, update in zip(params, updates, strict=True):
-            scale = math.sqrt(max(1.0, p.size(0) / p.size(1)))
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update.to(p.dtype), alpha=-lr * scale)
+        for same, stack in zip(groups, updates, strict=True):
+            rows, cols = same[0].shape
+            scale = math.sqrt(max(1.0, rows / cols))
+            torch._foreach_mul_(same, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(same, list(stack.to(same[0].dtype).unbind()), alpha=-lr * scale)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         """torch.optim.AdamW's arithmetic with one multi-tensor (foreach) kernel per operation

@@ -1,5 +1,5 @@
-"""Muon under DDP deals its Newton-Schulz work over the ranks and still applies, on every rank,
-exactly the single-process update (2 gloo ranks, spawned in-process)."""
+"""Muon under DDP deals its Newton-Schulz work over the ranks, a shape at a time, and still
+applies, on every rank, exactly the single-process update (2 gloo ranks, spawned in-process)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _run(params_file: str, world: int, rank: int = 0, store_file: str | None = N
     ns = optim.zeropower_via_newtonschulz5
     optim.zeropower_via_newtonschulz5 = lambda g, steps: calls.append(1) or ns(g, steps)
     torch.manual_seed(0)
-    shapes = [(6, 4), (4, 6), (5, 5), (8, 3), (3, 3)]  # tall ones are returned transposed
+    # tall ones are returned transposed; the two (6, 4) are orthogonalized together, one call
+    shapes = [(6, 4), (4, 6), (5, 5), (8, 3), (3, 3), (6, 4)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt = Muon([dict(params=params, use_muon=True, lr=0.02, momentum=0.95, nesterov=True,
                      ns_steps=5, weight_decay=0.01)])  # fmt: skip
@@ -42,10 +43,10 @@ def _rank(rank: int, world: int, tmp: str) -> None:
 
 
 def test_each_rank_orthogonalizes_its_share_and_all_apply_the_single_process_update(tmp_path):
-    assert _run(str(tmp_path / "single.pt"), world=1) == 15  # 5 matrices x 3 steps
+    assert _run(str(tmp_path / "single.pt"), world=1) == 15  # 5 shapes x 3 steps
     mp.spawn(_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
-    assert torch.load(tmp_path / "calls0.pt") == 9  # matrices 0, 2, 4
-    assert torch.load(tmp_path / "calls1.pt") == 6  # matrices 1, 3
+    assert torch.load(tmp_path / "calls0.pt") == 9  # shapes 0, 2, 4: (6, 4), (5, 5), (3, 3)
+    assert torch.load(tmp_path / "calls1.pt") == 6  # shapes 1, 3: (4, 6), (8, 3)
     single = torch.load(tmp_path / "single.pt")
     for rank in (0, 1):
         for a, b in zip(torch.load(tmp_path / f"params{rank}.pt"), single, strict=True):

@@ -246,6 +246,19 @@ def test_newton_schulz_approximates_the_orthogonal_polar_factor():
     torch.testing.assert_close(zeropower_via_newtonschulz5(1e3 * g).float(), x, atol=0.02, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [(24, 64), (64, 24)])
+def test_newton_schulz_orthogonalizes_each_matrix_of_a_stack_alone(shape):
+    """Muon stacks the matrices of one shape: each comes out as it would alone, whatever the
+    others' scale (one normalization for the whole stack would leave the small one near 0)."""
+    gen = torch.Generator().manual_seed(2)
+    stack = torch.randn((3, *shape), generator=gen) * torch.tensor([1.0, 1e3, 1e-3])[:, None, None]
+    together = zeropower_via_newtonschulz5(stack).float()
+    for g, x in zip(stack, together, strict=True):
+        torch.testing.assert_close(x, zeropower_via_newtonschulz5(g).float(), atol=2e-2, rtol=0)
+        singular = torch.linalg.svdvals(x)
+        assert singular.min() >= 0.5 and singular.max() <= 1.5
+
+
 def test_muon_trains_the_block_matrices_and_adamw_everything_else_each_once():
     for tie in (True, False):
         model = GPT(tiny_config(tie_embeddings=tie))
