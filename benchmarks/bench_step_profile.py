@@ -7,7 +7,8 @@ in the first), times --steps steps bare, then the same number under torch.profil
 the profiled time by the innermost operation that spent it (self time on the main thread, where
 every CPU operation runs; its OpenMP threads work inside it):
 
-- optimizer: everything under ``Optimizer.step`` (Muon's Newton-Schulz matmuls included);
+- optimizer: everything under ``Optimizer.step`` (Muon's Newton-Schulz matmuls included),
+  labelled with the optimizer's step, e.g. ``optimizer (Muon.step)``;
 - matmuls: ``mm``/``addmm`` (the Linear layers and the head, forward and backward);
 - attention: ``bmm`` (QK^T and SV) and the kernels with softmax or the causal mask in them;
 - norms, activations, rope, loss, gradient clipping: eager operations and compiled kernels by
@@ -27,6 +28,7 @@ The data's share is timed apart: ``sampler.next_batch()`` alone, as many calls a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -50,8 +52,9 @@ RULES = (
 
 
 def category(name: str, ancestors: list[str]) -> str:
-    if any(a.startswith("Optimizer.step") for a in [name, *ancestors]):
-        return "optimizer (Muon + AdamW)"
+    for scope in [name, *ancestors]:
+        if scope.startswith("Optimizer.step#"):  # e.g. Optimizer.step#Muon.step
+            return f"optimizer ({scope.removeprefix('Optimizer.step#')})"
     lowered = name.lower()
     for label, parts in RULES:
         if any(part in lowered for part in parts):
@@ -67,7 +70,7 @@ def compose(overrides: list[str]):
     from trainer.config import RunConfig
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = hydra_compose("train", overrides=[*overrides, "wandb.mode=disabled"])
+        cfg = hydra_compose("train", overrides=overrides)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     return RunConfig.from_dict(resolved), resolved
 
@@ -87,6 +90,7 @@ def main() -> None:
     from trainer.loop import Trainer
 
     inductor.cpp.enable_kernel_profile = True  # compiled kernels appear by name
+    os.environ["WANDB_MODE"] = "disabled"  # a benchmark, not a run to track
     settings, resolved = compose(args.overrides)
     print(harness.machine(settings.device))
     with tempfile.TemporaryDirectory() as run_dir:

@@ -310,3 +310,17 @@ def test_a_config_mistake_is_reported_before_the_heavy_imports(
     )
     assert done.stdout.strip() == f"2{imported}", done.stderr
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
+
+
+def test_the_step_profile_splits_a_step_by_its_work(tmp_path, corpus):
+    """docs/speedrun.md's `python benchmarks/bench_step_profile.py` on the tiny run: the shares
+    add up, the Linear layers' `mm` is counted as matmuls, and the optimizer has its own row."""
+    args = [*TINY, *corpus, "--steps", "2", "--warmup", "1", "--top", "40"]
+    result = run_script("benchmarks/bench_step_profile.py", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(r"^\| ([^|`]+?) \| ([\d.]+) \| (\d+)% \|$", result.stdout, re.M)
+    shares = {work: int(share) for work, _, share in rows}
+    assert 97 <= sum(shares.values()) <= 103, rows  # rounded to whole percents
+    assert shares["matmuls (Linear layers, head)"] > 0 and shares["optimizer (AdamW.step)"] > 0
+    assert "data (next_batch)" in shares
+    assert "| `aten::mm` | matmuls (Linear layers, head) |" in result.stdout
