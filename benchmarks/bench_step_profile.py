@@ -138,9 +138,8 @@ def main() -> None:
     if args.top:
         print(f"\nThe {args.top} costliest operations (profiled), to check the categories:\n")
         head("operation or compiled kernel | category | ms/step", "llr")
-        for (label, name), seconds in sorted(by_name.items(), key=lambda item: -item[1])[
-            : args.top
-        ]:
+        costliest = sorted(by_name.items(), key=lambda item: -item[1])[: args.top]
+        for (label, name), seconds in costliest:
             row([f"`{name[:70]}`", label, f"{seconds * 1e3:.2f}"])
 
 
