@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 
 import harness
-from harness import ROOT, head, row
+from harness import head, row
 
 # (category, substrings of an operation's or kernel's name), first match wins
 RULES = (
@@ -62,19 +62,6 @@ def category(name: str, ancestors: list[str]) -> str:
     return "the rest"
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from trainer.config import RunConfig
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = hydra_compose("train", overrides=overrides)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    return RunConfig.from_dict(resolved), resolved
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", default=["experiment=speedrun_cpu"])
@@ -91,7 +78,7 @@ def main() -> None:
 
     inductor.cpp.enable_kernel_profile = True  # compiled kernels appear by name
     os.environ["WANDB_MODE"] = "disabled"  # a benchmark, not a run to track
-    settings, resolved = compose(args.overrides)
+    settings, resolved = harness.train_config(args.overrides)
     print(harness.machine(settings.device))
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(settings, run_dir, resolved)

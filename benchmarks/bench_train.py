@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import harness
-from harness import ROOT, head, row
+from harness import head, row
 
 GPT2_VOCAB = 50257
 IMPLS = ("manual", "sdpa", "flash")
@@ -45,12 +45,6 @@ TEXT_BYTES = 400_000  # train split; val is a tenth (unused, but a dataset needs
 def compose(cell: dict, args: argparse.Namespace):
     """(RunConfig, resolved tree) of configs/train.yaml with the cell's overrides, as train.py
     builds them."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from trainer.config import RunConfig
-
     data = Path(cell["data"])
     values = [
         f"model={cell['preset']}",
@@ -70,10 +64,7 @@ def compose(cell: dict, args: argparse.Namespace):
         f"data.val_files=[{data / 'val.txt'}]",
         f"data.cache_dir={data / 'cache'}",
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = hydra_compose("train", overrides=values)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    return RunConfig.from_dict(resolved), resolved
+    return harness.train_config(values)
 
 
 @contextmanager

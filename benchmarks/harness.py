@@ -53,6 +53,20 @@ def measure(script: str, cell: dict, timeout: float | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def train_config(overrides: list[str]):
+    """(RunConfig, resolved tree) of configs/train.yaml with `overrides`, as train.py builds
+    them."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainer.config import RunConfig
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("train", overrides=overrides)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return RunConfig.from_dict(resolved), resolved
+
+
 def machine(device: str = "cpu") -> str:
     """The line that heads every table: the CPU (hardware.device.cpu_name, its native bfloat16
     features, dtype=auto's choice), cores, torch and its threads, Python, and the device."""
