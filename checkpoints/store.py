@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError
 from base.files import recover_swap, sha256_file, writable_error, write_dir_atomic
+from data.chat import chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
@@ -167,11 +168,18 @@ class Checkpoint:
         data = self.run_config.get("data") or {}
         return self.meta.get("tokenizer") or data.get("tokenizer") or "gpt2"
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template a chat fine-tuned model was trained with (data/chat.py)."""
+        return self.meta.get("chat_template")
+
     def tokenizer(self) -> tiktoken.Encoding:
         """The tokenizer the model was trained with, from the checkpoint alone (a trained one
         from its verified copy of tokenizer.json). A model with fewer rows than the tokenizer
         has ids (a Hugging Face export of a bytes or bpe model, read as GPT-2) is refused."""
         tokenizer = load_tokenizer(self.tokenizer_name, self.path)
+        if self.chat_template:
+            tokenizer = chat_tokenizer(tokenizer)
         if self.model.config.vocab_size < tokenizer.n_vocab:
             raise CheckpointError(
                 f"{self.path} has a vocabulary of {self.model.config.vocab_size} tokens, fewer "
@@ -572,4 +580,7 @@ def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData)
             )
     if block_size != theirs.block_size:
         ckpt.model.crop_block_size(block_size)
+    if data.chat_template and not ckpt.chat_template:  # a base model, to be chat fine-tuned
+        base = data.vocab_size - 2  # the template's two tokens follow the tokenizer's ids
+        ckpt.model.add_tokens(range(base, data.vocab_size), mean_of=base)
     return ckpt.model

@@ -29,10 +29,17 @@ from base.errors import DataError
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y)
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> Batch:
-    """x = tokens[s : s+length], y = tokens[s+1 : s+length+1] for each start s, as int64."""
-    rows = tokens[starts[:, None] + np.arange(length + 1)].astype(np.int64)
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+def _windows(
+    tokens: np.ndarray, starts: np.ndarray, length: int, mask: np.ndarray | None = None
+) -> Batch:
+    """x = tokens[s : s+length], y = tokens[s+1 : s+length+1] for each start s, as int64; with
+    a chat split's `mask`, y is -1 (no loss) wherever the target is not an assistant token."""
+    index = starts[:, None] + np.arange(length + 1)
+    rows = tokens[index].astype(np.int64)
+    y = rows[:, 1:].copy()
+    if mask is not None:
+        y[mask[index[:, 1:]] == 0] = -1
+    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(y)
 
 
 class BatchSampler:
@@ -41,6 +48,9 @@ class BatchSampler:
     Batch ``step`` is a pure function of ``(seed, step)``: every rank draws the same
     ``world_size * batch_size`` distinct window offsets from ``default_rng([seed, step])`` and
     takes its own slice, so ranks never share a window and resuming needs only the step count.
+
+    Conversations are packed the same way (a chat split's ``mask`` leaves only assistant tokens
+    as targets): no padding, every window full; docs/chat.md measures what padding would waste.
     """
 
     def __init__(
@@ -51,6 +61,7 @@ class BatchSampler:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        mask: np.ndarray | None = None,
     ) -> None:
         self.n_windows = len(tokens) - block_size
         if self.n_windows < world_size * batch_size:
@@ -60,7 +71,8 @@ class BatchSampler:
                 f"{world_size * batch_size} a step draws (train.batch_size per rank); use a "
                 "smaller model.block_size or train.batch_size, or more training data"
             )
-        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.tokens, self.mask, self.block_size = tokens, mask, block_size
+        self.batch_size = batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step = 0
 
@@ -74,7 +86,7 @@ class BatchSampler:
         rng = np.random.default_rng([self.seed, step])
         offsets = rng.choice(self.n_windows, size=self.world_size * self.batch_size, replace=False)
         mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return _windows(self.tokens, mine, self.block_size)
+        return _windows(self.tokens, mine, self.block_size, self.mask)
 
     def state_dict(self) -> dict[str, int]:
         """Plain ints: safe for ``torch.load(weights_only=True)`` and JSON."""
@@ -84,10 +96,24 @@ class BatchSampler:
         self.seed, self.step = int(state["seed"]), int(state["step"])
 
 
-def eval_tokens(n_tokens: int, block_size: int, rank: int = 0, world_size: int = 1) -> int:
-    """The tokens `iter_eval_batches` over a whole split of `n_tokens` gives `rank` to score."""
+def eval_tokens(
+    n_tokens: int,
+    block_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    mask: np.ndarray | None = None,
+) -> int:
+    """The tokens `iter_eval_batches` over a whole split of `n_tokens` gives `rank` to score
+    (with a chat split's `mask`, the assistant tokens among them)."""
     n_full, tail = divmod(n_tokens - 1, block_size)
-    return len(range(rank, n_full, world_size)) * block_size + tail * (n_full % world_size == rank)
+    if mask is None:
+        return len(range(rank, n_full, world_size)) * block_size + tail * (
+            n_full % world_size == rank
+        )
+    before = np.concatenate([[0], np.cumsum(mask[1:], dtype=np.int64)])  # targets before i + 1
+    starts = np.arange(rank, n_full, world_size) * block_size
+    scored = int((before[starts + block_size] - before[starts]).sum())
+    return scored + int(before[-1] - before[n_full * block_size]) * (n_full % world_size == rank)
 
 
 def iter_eval_batches(
@@ -97,6 +123,7 @@ def iter_eval_batches(
     max_windows: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    mask: np.ndarray | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (x, y) over non-overlapping windows that cover the split.
 
@@ -105,6 +132,7 @@ def iter_eval_batches(
     non-overlapping method; it reads a bit pessimistic next to sliding windows). Full windows
     come in batches of ``batch_size``; the final partial window, if any, is a last (1, L) batch.
     Windows are dealt round-robin to ranks; sum ``loss * y.numel()`` over batches and ranks.
+    A chat split's ``mask`` makes every target but assistant tokens -1 (not scored).
 
     With ``max_windows`` (per rank), only a fixed, evenly spaced subset of full windows is used
     (the same every call), for cheap periodic evals; a split shorter than one window is its own
@@ -119,9 +147,9 @@ def iter_eval_batches(
         tail = 0
     mine = starts[rank::world_size]
     for i in range(0, len(mine), batch_size):
-        yield _windows(tokens, mine[i : i + batch_size], block_size)
+        yield _windows(tokens, mine[i : i + batch_size], block_size, mask)
     if tail and (n_full % world_size) == rank:
-        yield _windows(tokens, np.array([n_full * block_size]), tail)
+        yield _windows(tokens, np.array([n_full * block_size]), tail, mask)
 
 
 # ----- prefetching: the next training batches, built while the device trains ---------------------

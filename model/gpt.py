@@ -621,6 +621,22 @@ class GPT(nn.Module):
             rotary, device = self.rotary, self.transformer.wte.weight.device
             self.rotary = RotaryTables(rotary.head_size, block_size, rotary.base).to(device)
 
+    def add_tokens(self, ids: range, mean_of: int) -> None:
+        """Rows for new token ids (a chat template's special tokens): the token embedding and
+        the head grow to hold them where they must, and each new row starts as the mean of the
+        first `mean_of` rows, an average token that favours no id before fine-tuning."""
+        vocab = max(self.config.vocab_size, ids.stop)
+        self.config = dataclasses.replace(self.config, vocab_size=vocab)
+        tied = self.config.tie_embeddings
+        for module in [self.transformer.wte] + ([] if tied else [self.lm_head]):
+            old = module.weight.data  # (vocab_size, C)
+            new = torch.cat([old, old.new_zeros(vocab - len(old), old.shape[1])])  # (vocab, C)
+            new[ids.start : ids.stop] = old[:mean_of].mean(dim=0)
+            module.weight = nn.Parameter(new)
+        self.transformer.wte.num_embeddings = self.lm_head.out_features = vocab
+        if tied:
+            self.lm_head.weight = self.transformer.wte.weight
+
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count (tied weights once); by default without position embeddings, as
         GPT-2's model sizes are usually quoted (rope has none to exclude)."""

@@ -222,6 +222,26 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def chat_corpus(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Data overrides for conversations (data=chat) from two plays: hamlet's first 300 replies
+    to train on, julius-caesar's first 40 held out, as JSON lines."""
+    from data.chat import play_conversations
+
+    root = tmp_path_factory.mktemp("chat_corpus")
+    files = []
+    for name, play, n in (("train", "tragedies/hamlet", 300), ("val", "roman/julius-caesar", 40)):
+        conversations = list(play_conversations((PLAYS / f"{play}.md").read_text()))[:n]
+        files.append(root / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return [
+        "data=chat",
+        f"data.train_files=[{files[0]}]",
+        f"data.val_files=[{files[1]}]",
+        f"data.cache_dir={root / 'cache'}",
+    ]
+
+
+@pytest.fixture(scope="session")
 def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus: list[str]) -> Path:
     """A run directory with `last` and `best` checkpoints of a tiny model (12 steps)."""
     run_dir = tmp_path_factory.mktemp("run")

@@ -216,7 +216,13 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if scaled else None
         block_size = self.model.config.block_size
         self.sampler = BatchSampler(
-            self.data.tokens("train"), block_size, train.batch_size, cfg.seed, self.dist.rank, world
+            self.data.tokens("train"),
+            block_size,
+            train.batch_size,
+            cfg.seed,
+            self.dist.rank,
+            world,
+            self.data.mask("train"),
         )
         if self.device.type == "cuda":  # batches built ahead in pinned memory (data/loader.py)
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
@@ -301,6 +307,7 @@ class Trainer:
             "tokenizer": self.data.tokenizer_name,
             "data_sha256": self.checkpoints.data_sha256,
             "causality": self.causality,
+            **({"chat_template": self.data.chat_template} if self.data.chat_template else {}),
             **extra,
         }
 
@@ -316,17 +323,23 @@ class Trainer:
         it (minutes on a CPU)."""
         tokens, shown = self.data.tokens("val"), whole_split and self.dist.is_main
         block, rank, world = self.model.config.block_size, self.dist.rank, self.dist.world_size
+        mask = self.data.mask("val")
         if shown:
-            self.progress.message(
-                f"final evaluation: the whole validation split, {len(tokens) - 1:,} tokens"
+            scored = (
+                ""
+                if mask is None
+                else f" ({eval_tokens(len(tokens), block, mask=mask):,} scored: the assistant's)"
             )
-        share = eval_tokens(len(tokens), block, rank, world)  # this rank's, which it counts
+            self.progress.message(
+                f"final evaluation: the whole validation split, {len(tokens) - 1:,} tokens{scored}"
+            )
+        share = eval_tokens(len(tokens), block, rank, world, mask)  # this rank's, which it counts
         nbytes, batches = self.data.meta["splits"]["val"]["bytes"], self.cfg.train.eval_steps
         with Progress(share, "token", enabled=shown) as progress:
             return evaluate(
                 self.model, tokens, nbytes, self.cfg.train.batch_size, self.precision,
                 max_batches=None if whole_split else batches,
-                rank=rank, world_size=world, progress=progress.update,
+                rank=rank, world_size=world, progress=progress.update, mask=mask,
             )  # fmt: skip
 
     # ----- training ------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def test_cli_prints_summary_json(shakespeare: PreparedData) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["data=nope"], "known datasets: fineweb_edu"),
+        (["data=nope"], "known datasets: chat, chat_plays, fineweb_edu"),
         (["data=text"], "train_files"),
         (["data=text", "data.train_files=[/no/such/file.txt]"], "does not exist"),
         (["data.tokenizer=bpe-100"], "bpe-<N> needs a whole number N >= 257"),
@@ -326,7 +326,10 @@ def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -
 
 
 def test_unknown_dataset_lists_known(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="known: fineweb_edu, openwebtext, shakespeare, text"):
+    with pytest.raises(
+        DataError,
+        match="known: chat, chat_plays, fineweb_edu, openwebtext, shakespeare, smol_smoltalk",
+    ):
         prepare_data({"name": "nope", "cache_dir": str(tmp_path)})
 
 

@@ -1,0 +1,185 @@
+"""The chat template and conversation data (data/chat.py): the ids every tokenizer gives, the
+assistant mask the loss uses, the plays' conversations, and prepared chat splits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pytest
+import torch
+
+from data.chat import CHAT_TEMPLATE, IM_END, IM_START, chat_tokenizer, play_conversations, render
+from data.loader import _windows
+from data.pipeline import prepare_data
+from data.sources import VAL_PLAYS, load_chat_plays, play_files
+from data.tokenizer import get_tokenizer, train_bpe
+from model import GPT
+from tests.conftest import ROOT, TEXT, TRICKY, tiny_config
+
+CONVERSATION = [
+    {"role": "system", "content": "You are HAMLET, answering HORATIO."},
+    {"role": "user", "content": "Hail to your lordship! Καλημέρα, 世界"},
+    {
+        "role": "assistant",
+        "content": "I am glad to see you well:\nHoratio,--or I do forget myself.",
+    },
+    {"role": "user", "content": " émigré 🎭 naïve?"},
+    {"role": "assistant", "content": "  The same, my lord, and your poor servant ever."},
+]
+
+
+def base_tokenizer(name: str):
+    if name == "bpe-300":
+        return train_bpe([TEXT, *TRICKY], 300)[0].encoding()
+    return get_tokenizer(name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bytes", "bpe-300"])
+def test_template_ids_are_the_rendered_text_encoded(name: str) -> None:
+    base = base_tokenizer(name)
+    tokenizer = chat_tokenizer(base)
+    start, end = tokenizer.encode_single_token(IM_START), tokenizer.encode_single_token(IM_END)
+    assert (start, end, tokenizer.n_vocab) == (base.n_vocab, base.n_vocab + 1, base.n_vocab + 2)
+    assert tokenizer.encode_ordinary(TEXT) == base.encode_ordinary(TEXT)  # text encodes as before
+    for prompt in (False, True):
+        ids, _ = render(CONVERSATION, tokenizer, generation_prompt=prompt)
+        text = jinja2.Template(CHAT_TEMPLATE).render(
+            messages=CONVERSATION, add_generation_prompt=prompt
+        )
+        assert text.startswith("<|im_start|>system\nYou are HAMLET")
+        assert text.endswith("<|im_start|>assistant\n" if prompt else "ever.<|im_end|>\n")
+        assert tokenizer.decode(ids) == text
+        assert ids == tokenizer.encode(text, allowed_special={IM_START, IM_END})
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bytes", "bpe-300"])
+def test_the_mask_holds_the_replies_and_their_ends_alone(name: str) -> None:
+    tokenizer = chat_tokenizer(base_tokenizer(name))
+    ids, mask = render(CONVERSATION, tokenizer, generation_prompt=False)
+    picked = [token for token, counted in zip(ids, mask, strict=True) if counted]
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert tokenizer.decode(picked) == "".join(f"{reply}{IM_END}" for reply in replies)
+
+
+def test_only_assistant_targets_change_the_loss() -> None:
+    tokenizer = chat_tokenizer(get_tokenizer("bytes"))
+    ids, mask = render(CONVERSATION, tokenizer, generation_prompt=False)
+    tokens, mask = np.array(ids), np.array(mask, dtype=np.uint8)
+    starts, length = np.array([0]), len(ids) - 1
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=tokenizer.n_vocab, block_size=length))
+    x, y = _windows(tokens, starts, length, mask)
+    _, loss = model(x, y)
+
+    def loss_with(targets_changed_at: np.ndarray) -> torch.Tensor:
+        other = tokens.copy()
+        other[targets_changed_at] = (other[targets_changed_at] + 1) % 256
+        return model(x, _windows(other, starts, length, mask)[1])[1]  # the same inputs x
+
+    positions = np.arange(1, len(ids))
+    context = positions[mask[1:] == 0]  # system, user, headers, line breaks
+    assert torch.equal(loss_with(context), loss)
+    assert not torch.equal(loss_with(positions[mask[1:] == 1][:1]), loss)
+
+
+def test_play_conversations_are_replies_within_a_scene() -> None:
+    macbeth = play_files()["macbeth"].read_text(encoding="utf-8")
+    first = next(play_conversations(macbeth))
+    assert [m["role"] for m in first] == ["system", "user", "assistant"]
+    assert [m["content"] for m in first] == [
+        "This is Macbeth. You are Second Witch, answering First Witch.",
+        "When shall we three meet again\nIn thunder, lightning, or in rain?",
+        "When the hurlyburly's done,\nWhen the battle's lost and won.",
+    ]
+    lines = [
+        line for c in play_conversations(macbeth) for m in c for line in m["content"].split("\n")
+    ]
+    assert lines and not [line for line in lines if line.startswith("_") or line.endswith("_")]
+
+
+def test_chat_plays_hold_out_whole_plays() -> None:
+    splits = load_chat_plays({})
+    titles = {p.read_text(encoding="utf-8").split("\n", 1)[0][2:] for n, p in play_files().items()
+              if n in VAL_PLAYS}  # fmt: skip
+    said_in = {
+        split: {c[0]["content"].split(". You are")[0][len("This is ") :] for c in ds["messages"]}
+        for split, ds in splits.items()
+    }
+    assert said_in["val"] == titles and not said_in["train"] & titles
+    assert len(splits["train"]) > 20_000
+
+
+def test_prepared_chat_data_has_the_mask_and_the_template(chat_corpus: list[str]) -> None:
+    files = {k.split("=")[0]: k.split("=")[1] for k in chat_corpus}
+    data = prepare_data(
+        {"name": "chat", "train_files": files["data.train_files"][1:-1],
+         "val_files": files["data.val_files"][1:-1], "cache_dir": files["data.cache_dir"]},
+        verbose=False,
+    )  # fmt: skip
+    tokenizer = data.tokenizer()
+    assert data.chat_template == "chatml" and data.vocab_size == tokenizer.n_vocab == 50259
+    lines = Path(files["data.val_files"][1:-1]).read_text().splitlines()
+    conversations = [json.loads(line)["messages"] for line in lines]
+    expected = [render(c, tokenizer, generation_prompt=False) for c in conversations]
+    assert data.tokens("val").tolist() == [t for ids, _ in expected for t in ids]
+    assert data.mask("val").tolist() == [int(m) for _, mask in expected for m in mask]
+    replies = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+    assert data.meta["splits"]["val"]["bytes"] == len("".join(replies).encode())
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def prepare(tmp_path: Path, train: Path, val: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "data.prepare", "data=chat", f"data.train_files=[{train}]",
+         f"data.val_files=[{val}]", f"data.cache_dir={tmp_path / 'cache'}"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def test_bad_conversations_are_skipped_and_counted(tmp_path: Path) -> None:
+    good = {"messages": CONVERSATION}
+    bad = [
+        {"messages": [{"role": "tool", "content": "x"}, *CONVERSATION[2:3]]},
+        {"messages": [{"role": "user", "content": "  "}, *CONVERSATION[2:3]]},
+        {"messages": CONVERSATION[:2]},
+        {"messages": CONVERSATION[:2]},
+    ]
+    train = write_jsonl(tmp_path / "train.jsonl", [good, *bad, good])
+    proc = prepare(tmp_path, train, write_jsonl(tmp_path / "val.jsonl", [good]))
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "chat/train: 4 conversations skipped: 1 with a role other than system, user, assistant, "
+        "1 with an empty content, 2 with no assistant turn"
+    ) in proc.stdout
+    assert json.loads(proc.stdout.splitlines()[-1])["train"]["documents"] == 2
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (["{not json"], "train.jsonl:2: not JSON"),
+        ([{"messages": "hello"}], 'train.jsonl:2: not {"messages": [{"role": ..., "content": ...}'),
+        ([{"text": "hello"}], "train.jsonl:2: not"),
+        ([{"messages": CONVERSATION[:2]}], "no conversations that can be trained on (0 documents; "
+         "2 conversations skipped: 2 with no assistant turn)"),
+    ],
+)  # fmt: skip
+def test_bad_conversation_files_are_one_line_and_leave_nothing(tmp_path, rows, message) -> None:
+    first = {"messages": CONVERSATION[:2]} if "skipped" in message else {"messages": CONVERSATION}
+    train = write_jsonl(tmp_path / "train.jsonl", [first, *rows])
+    proc = prepare(
+        tmp_path, train, write_jsonl(tmp_path / "val.jsonl", [{"messages": CONVERSATION}])
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no file left
