@@ -580,7 +580,13 @@ def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData)
             )
     if block_size != theirs.block_size:
         ckpt.model.crop_block_size(block_size)
-    if data.chat_template and not ckpt.chat_template:  # a base model, to be chat fine-tuned
+    add_template_tokens(ckpt, data)
+    return ckpt.model
+
+
+def add_template_tokens(ckpt: Checkpoint, data: PreparedData) -> None:
+    """A base model read for conversations (chat fine-tuning it, or scoring it on them before):
+    the chat template's two tokens get rows, the mean of the tokenizer's rows (GPT.add_tokens)."""
+    if data.chat_template and not ckpt.chat_template:
         base = data.vocab_size - 2  # the template's two tokens follow the tokenizer's ids
         ckpt.model.add_tokens(range(base, data.vocab_size), mean_of=base)
-    return ckpt.model

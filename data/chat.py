@@ -82,21 +82,41 @@ def generation_prompt(
     return render(messages, tokenizer, generation_prompt=True)[0]
 
 
+def bad_message(message: Any) -> str | None:
+    """Why `message` is not a message of the template (None: it is one)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        return "a message without a string content"
+    if message.get("role") not in ROLES:
+        return f"a role other than {', '.join(ROLES)}"
+    return None
+
+
 def problem(messages: Any) -> str | None:
-    """Why a conversation cannot be trained on (None: it can). Data preparation skips and counts
-    these; serve.py and sample.py refuse them."""
+    """Why a conversation cannot be trained on (None: it can); data preparation skips and
+    counts these."""
     if not isinstance(messages, list) or not messages:
         return "no messages"
     for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            return "a message without a string content"
-        if message.get("role") not in ROLES:
-            return f"a role other than {', '.join(ROLES)}"
+        if why := bad_message(message):
+            return why
         if not message["content"].strip():
             return "an empty content"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None
+
+
+def prompt_within(
+    messages: Sequence[dict[str, str]], tokenizer: tiktoken.Encoding, block_size: int
+) -> list[int]:
+    """The generation prompt of `messages` in at most `block_size` tokens: the oldest turns after
+    a leading system message are dropped one by one until it fits (then its last block_size
+    tokens are kept)."""
+    system = list(messages[:1]) if messages and messages[0]["role"] == "system" else []
+    turns = list(messages[len(system) :])
+    while len(ids := generation_prompt(system + turns, tokenizer)) > block_size and len(turns) > 1:
+        turns = turns[1:]
+    return ids[-block_size:]
 
 
 # ----- the offline default: conversations from the plays ----------------------------------------

@@ -16,7 +16,7 @@ import torch
 from base.errors import DataError, check, is_int
 from base.files import read_utf8
 from base.progress import Progress
-from checkpoints.store import find_checkpoint, load_source
+from checkpoints.store import add_template_tokens, find_checkpoint, load_source
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
@@ -148,17 +148,20 @@ def evaluate_checkpoint(
         mask = None
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
-        if "data" not in ckpt.run_config:
+        data_cfg = {"name": cfg["data"]} if cfg["data"] else ckpt.run_config.get("data")
+        if data_cfg is None:
             raise DataError(
                 f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
-                "(no run.data in its config.json); evaluate with text_file=<path>"
+                "(no run.data in its config.json); evaluate with data=<name> or text_file=<path>"
             )
-        data = prepare_data(ckpt.run_config["data"], verbose=False)
+        data = prepare_data(data_cfg, verbose=False)
         if not ckpt.same_tokenizer(data):
             raise DataError(
-                f"{data.dir} is tokenized with another {data.tokenizer_name} than the checkpoint "
-                f"{ckpt.path} (its training text changed since); evaluate with text_file=<path>"
+                f"{data.dir} is not tokenized as the checkpoint {ckpt.path} was trained "
+                f"({data.tokenizer_name}, {ckpt.tokenizer_name}: another name, or the training "
+                "text changed since); evaluate with text_file=<path>"
             )
+        add_template_tokens(ckpt, data)  # a base model scored on conversations
         tokens, mask = data.tokens("val"), data.mask("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
     stride, block_size = cfg["stride"], ckpt.model.config.block_size

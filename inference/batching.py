@@ -101,6 +101,7 @@ class Job:
     generator: torch.Generator
     text: TextStream
     emit: Callable[[Job, str, int, str | None, torch.Tensor | None], None]
+    end: int | None = None  # a token that ends it besides <|endoftext|>: a chat reply's <|im_end|>
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
@@ -209,7 +210,7 @@ class Batcher:
     def _emit(self, job: Job, token: int, logits: torch.Tensor) -> None:
         """Pass the token on; the job's text is done (it leaves) when the token ends it."""
         job.tokens.append(token)
-        if token == self.eot:
+        if token in (self.eot, job.end):
             text, reason = job.text.finish(), "stop"
         else:
             text = job.text.push(token)

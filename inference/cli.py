@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 
 from base.errors import check, is_int, user_errors
 from base.files import read_utf8
-from checkpoints.store import find_checkpoint, load_source
+from checkpoints.store import Checkpoint, find_checkpoint, load_source
+from data.chat import IM_END, bad_message, prompt_within
 from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import plot_attention, prompt_attention, token_labels
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
@@ -47,6 +49,77 @@ def write_attention_plot(
     plot_attention(probs, token_labels(tokenizer, ids), path, title)
 
 
+def read_messages(value: Any) -> list[dict[str, str]] | None:
+    """The one-shot conversation of `messages`: a list (``'messages=[{role: user, content:
+    Hi}]'``) or a JSON file holding one; None when not given."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        try:
+            value = json.loads(read_utf8(path, "messages"))
+        except ValueError as e:
+            raise ValueError(f"messages: {path} is not JSON ({e})") from None
+        value = value.get("messages") if isinstance(value, dict) else value
+    if not isinstance(value, Sequence) or not value:
+        raise ValueError("messages must be a list like 'messages=[{role: user, content: \"Hi\"}]'")
+    for i, message in enumerate(value):
+        if why := bad_message(dict(message) if isinstance(message, Mapping) else message):
+            raise ValueError(f"messages[{i}] is {why}: each is {{role: ..., content: ...}}")
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+
+
+def reply(
+    ckpt: Checkpoint,
+    model: GPT,
+    messages: list[dict[str, str]],
+    settings: dict[str, Any],
+    shown: TextIO,
+) -> str:
+    """The model's next turn in `messages`, printed to `shown` as it comes; it ends at
+    <|im_end|>, a stop string or max_new_tokens."""
+    tokenizer = ckpt.tokenizer()
+    ids = prompt_within(messages, tokenizer, model.config.block_size)
+    idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
+    end, text = tokenizer.encode_single_token(IM_END), TextStream(tokenizer, settings["stop"])
+    steps = stream_tokens(
+        model, idx, settings["max_new_tokens"], settings["params"], settings["generator"],
+        eot_token=end, vocab_size=tokenizer.n_vocab,
+    )  # fmt: skip
+    for step in steps:
+        token = step.item()
+        print(text.finish() if token == end else text.push(token), end="", file=shown, flush=True)
+        if text.done:
+            break
+    print(text.finish(), file=shown, flush=True)
+    return text.text
+
+
+def converse(
+    ckpt: Checkpoint,
+    model: GPT,
+    settings: dict[str, Any],
+    system: str | None,
+    out: TextIO,
+    err: TextIO,
+    lines: TextIO,
+) -> list[str]:
+    """The terminal conversation: a user turn per line read, each reply streamed; the history
+    is kept within the context (the oldest turns leave first). An empty line or the end of
+    input ends it (Ctrl-C too, with sample.py's exit code 130)."""
+    messages = [{"role": "system", "content": system}] if system else []
+    print("chat: type a message and press Enter; an empty line ends the chat", file=err)
+    replies = []
+    while True:
+        print("> ", end="", file=err, flush=True)
+        line = lines.readline()
+        if not line.strip():
+            return replies
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        replies.append(reply(ckpt, model, messages, settings, out))
+        messages.append({"role": "assistant", "content": replies[-1]})
+
+
 def _int_at_least(name: str, value: Any, minimum: int) -> int:
     return check(name, value, is_int(value, minimum), f"an integer >= {minimum}")
 
@@ -68,6 +141,13 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     stream = cfg["stream"]
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
+    messages = read_messages(cfg["messages"])
+    chat = bool(cfg["chat"]) or messages is not None
+    if chat and (prompt or num_samples > 1 or cfg["attention_plot"]):
+        raise ValueError(
+            "chat=true and messages answer a conversation: drop prompt, prompt_file, "
+            "num_samples and attention_plot (they are for continuing text)"
+        )
     device = resolve_device(str(cfg["device"]))
     dtype = decoding_dtype(str(cfg["dtype"]), device)
 
@@ -79,6 +159,19 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     model = ckpt.model.to(dtype).eval()
     tokenizer = ckpt.tokenizer()
     eot = tokenizer.eot_token
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if chat:
+        if not ckpt.chat_template:
+            raise ValueError(
+                f"{ckpt.path} is a base model without a chat template: fine-tune it for chat "
+                f"first (python train.py experiment=chat_sft train.init_from={ckpt.path})"
+            )
+        settings = dict(
+            params=params, generator=generator, stop=stop, max_new_tokens=max_new_tokens
+        )
+        if messages is not None:
+            return [reply(ckpt, model, messages, settings, out)]
+        return converse(ckpt, model, settings, cfg["system"], out, err, sys.stdin)
 
     ids = tokenizer.encode_ordinary(prompt) or [eot]
     block_size = model.config.block_size
@@ -109,7 +202,6 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
         )
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
     shown = out if live else io.StringIO()  # not live: the samples are printed at the end
-    generator = torch.Generator(device=device).manual_seed(seed)
     texts = [TextStream(tokenizer, stop) for _ in range(num_samples)]
     print(prompt, end="", file=shown, flush=True)
     steps = stream_tokens(

@@ -1,7 +1,9 @@
 """`python serve.py`: OpenAI's completions API over batched decoding, and a page that shows S.
 
 POST /v1/completions and GET /v1/models follow OpenAI's API for a base model (errors in its
-shape: {"error": {"message", "type", "param", "code"}}); the requests decode together
+shape: {"error": {"message", "type", "param", "code"}}), and POST /v1/chat/completions for a chat
+fine-tuned one (data/chat.py's template; a base model answers it with a 400); the requests
+decode together
 (inference/batching.py). GET / is the page (inference/page.html), drawn from two JSON endpoints:
 POST /api/attention (S of every layer for a text) and POST /api/causality (how far each
 position's next-token distribution moves when one token is replaced). GET /api/info holds the
@@ -30,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import uvicorn
@@ -44,6 +46,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import check, is_int, user_errors
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
+from data.chat import IM_END, generation_prompt
 from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job
@@ -71,24 +74,44 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class CompletionRequest(Strict):
-    """OpenAI's completion fields a base model can honour, and our own filters."""
+class Sampling(Strict):
+    """The fields completions and chat completions share: OpenAI's, and our own filters."""
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
     user: str | None = None
     top_k: int | None = Field(None, ge=1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
+
+
+class CompletionRequest(Sampling):
+    """OpenAI's completion fields a base model can honour."""
+
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(Sampling):
+    """OpenAI's chat completion fields a chat model can honour; max_tokens: the server's limit
+    when not given, as OpenAI's "up to the context"."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class AttentionRequest(Strict):
@@ -123,6 +146,8 @@ class Server:
         self.views = ThreadPoolExecutor(1)  # the page's views, one at a time: each uses all cores
         self.viewing = 0  # page views running or waiting
         self.page = PAGE.read_text(encoding="utf-8")
+        chat = IM_END in tokenizer.special_tokens_set  # a chat fine-tuned model
+        self.end = tokenizer.encode_single_token(IM_END) if chat else None
 
     def admit(self, request: Request) -> None:
         """Every route's gate: the server's own Host, no other origin (see the top)."""
@@ -167,23 +192,31 @@ class Server:
             shown = repr(first["input"])[:60]
             raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
 
-    def encode(self, prompt: str) -> list[int]:
-        """The prompt's tokens (sample.py's: <|endoftext|> for an empty one), within the limit."""
-        most = self.limits["max_prompt_tokens"]
-        if len(prompt) > self.max_prompt_chars:
-            raise ApiError(400, f"prompt is {len(prompt)} characters, over {most} tokens", "prompt")
-        ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
+    def encode(self, prompt: str | list[Message]) -> list[int]:
+        """A prompt's tokens (sample.py's: <|endoftext|> for an empty one), or a conversation's
+        in the chat template, asking for the assistant's reply; within the limit."""
+        most, chat = self.limits["max_prompt_tokens"], not isinstance(prompt, str)
+        param = "messages" if chat else "prompt"
+        chars = sum(len(m.content) for m in prompt) if chat else len(prompt)
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param} is {chars} characters, over {most} tokens", param)
+        if chat:
+            messages = [m.model_dump() for m in prompt]
+            ids = generation_prompt(messages, self.tokenizer)
+        else:
+            ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
         if len(ids) > most:
-            raise ApiError(400, f"prompt is {len(ids)} tokens, over the limit of {most}", "prompt")
+            raise ApiError(400, f"{param} is {len(ids)} tokens, over the limit of {most}", param)
         return ids
 
-    def jobs(self, req: CompletionRequest, prompts: list[str], emit: Any) -> list[Job]:
-        """One job per prompt and choice (index prompt * n + choice; seed + index), checked
-        against the limits. It tokenizes: run it off the event loop."""
+    def jobs(self, req: CompletionRequest | ChatRequest, prompts: list, emit: Any) -> list[Job]:
+        """One job per prompt (a conversation, for chat) and choice (index prompt * n + choice;
+        seed + index), checked against the limits. It tokenizes: run it off the event loop."""
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
         held = self.limits["max_batch"] + self.limits["max_queue"]
+        max_tokens = req.max_tokens or self.limits["max_tokens"]
         for param, value, limit, what in [
-            ("max_tokens", req.max_tokens, self.limits["max_tokens"], ""),
+            ("max_tokens", max_tokens, self.limits["max_tokens"], ""),
             ("n", req.n, self.limits["max_n"], ""),
             ("prompt", len(prompts), self.limits["max_n"], ""),
             ("stop", len(stop), 4, ""),
@@ -202,40 +235,77 @@ class Server:
         ids, jobs = [self.encode(p) for p in prompts], []
         for i in range(len(prompts) * req.n):  # each choice: its own generator and text
             gen, text = torch.Generator().manual_seed(seed + i), TextStream(self.tokenizer, stop)
-            jobs.append(Job(ids[i // req.n], params, req.max_tokens, gen, text, emit))
+            end = self.end if isinstance(req, ChatRequest) else None
+            jobs.append(Job(ids[i // req.n], params, max_tokens, gen, text, emit, end))
         return jobs
 
-    def logprobs(self, token: int, logits: torch.Tensor, top: int) -> dict:
-        """OpenAI's legacy logprobs of one token: its own and the `top` likeliest."""
+    def logprobs(self, token: int, logits: torch.Tensor, top: int, chat: bool) -> dict:
+        """OpenAI's logprobs of one token, its own and the `top` likeliest: the legacy form of
+        completions, or chat's list of {token, logprob, bytes, top_logprobs}."""
         logprobs = logits.float().log_softmax(-1)
         values, ids = logprobs.topk(top)
+        pairs = list(zip(ids.tolist(), values.tolist(), strict=True))
         text = self.tokenizer.decode
-        likeliest = {text([i]): v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+        if chat:
+
+            def entry(i: int, logprob: float) -> dict:
+                piece = self.tokenizer.decode_single_token_bytes(i)
+                return dict(token=text([i]), logprob=logprob, bytes=list(piece))
+
+            top_entries = [entry(i, v) for i, v in pairs]
+            return {
+                "content": [{**entry(token, float(logprobs[token])), "top_logprobs": top_entries}]
+            }
         return {
             "tokens": [text([token])],
             "token_logprobs": [float(logprobs[token])],
-            "top_logprobs": [likeliest],
+            "top_logprobs": [{text([i]): v for i, v in pairs}],
         }
 
     async def completions(self, request: Request) -> Any:
-        """POST /v1/completions: the jobs go to the batcher; their pieces come back through an
-        asyncio queue (the worker thread puts them on this event loop) as events or one JSON."""
+        """POST /v1/completions."""
         req = await self.parse(request, CompletionRequest)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        return await self.answer(request, req, prompts)
+
+    async def chat_completions(self, request: Request) -> Any:
+        """POST /v1/chat/completions: the assistant's next turn, for a chat model alone."""
+        if self.end is None:
+            raise ApiError(
+                400,
+                f"{self.name} is a base model without a chat template: use /v1/completions, or "
+                "fine-tune it for chat (python train.py experiment=chat_sft)",
+                "messages",
+            )
+        req = await self.parse(request, ChatRequest)
+        return await self.answer(request, req, [req.messages])
+
+    async def answer(self, request: Request, req: CompletionRequest | ChatRequest, prompts: list):
+        """Either kind of completion: the jobs go to the batcher; their pieces come back through
+        an asyncio queue (the worker thread puts them on this event loop) as events (chat's
+        chunks carry a `delta`) or one JSON."""
+        loop, events, chat = (
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
+            isinstance(req, ChatRequest),
+        )
+        top = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
 
         def emit(job: Job, text: str, token: int, reason: str | None, logits: torch.Tensor):
-            top = req.logprobs
-            logprobs = None if top is None or logits is None else self.logprobs(token, logits, top)
+            logprobs = None
+            if top is not None and logits is not None:
+                logprobs = self.logprobs(token, logits, top, chat)
             choice = dict(text=text, index=jobs.index(job), logprobs=logprobs, finish_reason=reason)
             loop.call_soon_threadsafe(events.put_nowait, choice)
 
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         jobs = await asyncio.to_thread(self.jobs, req, prompts, emit)
         if not self.batcher.submit(jobs):
             raise ApiError(429, "the server is full; retry in a moment", **{"Retry-After": "1"})
-        completion_id, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        head = dict(id=completion_id, object="text_completion", created=created, model=self.name)
-        echoed = [prompts[i // req.n] if req.echo else "" for i in range(len(jobs))]
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        kind = "chat.completion" if chat else "text_completion"
+        head = dict(id=completion_id, object=kind, created=int(time.time()), model=self.name)
+        echo = not chat and req.echo
+        echoed = [prompts[i // req.n] if echo else "" for i in range(len(jobs))]
 
         async def choices() -> AsyncIterator[dict]:
             """Every choice's pieces as they come, until all are finished or the client hangs
@@ -251,9 +321,16 @@ class Server:
                 yield choice
 
         async def stream() -> AsyncIterator[str]:
+            chunk = {**head, "object": "chat.completion.chunk"} if chat else head
             try:
+                if chat:  # each choice opens with the role, as OpenAI's chunks do
+                    for i in range(len(jobs)):
+                        opening = dict(index=i, delta=dict(role="assistant", content=""))
+                        yield f"data: {json.dumps({**chunk, 'choices': [opening]})}\n\n"
                 async for choice in choices():
-                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                    if chat:
+                        choice["delta"] = {"content": choice.pop("text")}
+                    yield f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n"
                 yield "data: [DONE]\n\n"
             except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
                 yield f"data: {json.dumps(e.body)}\n\n"
@@ -280,6 +357,9 @@ class Server:
                 for key, value in piece["logprobs"].items():
                     choice["logprobs"] = choice["logprobs"] or {}
                     choice["logprobs"].setdefault(key, []).extend(value)
+        if chat:
+            for choice in merged:
+                choice["message"] = dict(role="assistant", content=choice.pop("text"))
         generated = sum(len(job.tokens) for job in jobs)
         prompt = sum(len(job.ids) for job in jobs[:: req.n])
         usage = dict(
@@ -427,6 +507,7 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     api.post("/v1/completions")(server.completions)
+    api.post("/v1/chat/completions")(server.chat_completions)
     api.get("/api/info")(server.info)
 
     @api.post("/api/attention")

@@ -1,0 +1,146 @@
+"""Chat with a chat fine-tuned model: sample.py's one-shot and interactive forms, and the
+server's /v1/chat/completions through the real `openai` client, equal to each other at
+temperature 0; replies end at <|im_end|>; a base model is refused."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from checkpoints.store import load_source, save_checkpoint
+from inference.server import Server
+from model import GPT, GPTConfig
+from tests.conftest import run_script
+
+MESSAGES = [
+    {"role": "system", "content": "You are HAMLET, answering HORATIO."},
+    {"role": "user", "content": "Hail to your lordship!"},
+    {"role": "assistant", "content": "I am glad to see you well."},
+    {"role": "user", "content": "The same, my lord. Καλημέρα 🎭"},
+]
+CHAT_META = {"tokenizer": "gpt2", "chat_template": "chatml"}
+
+
+def save_chat_model(path, ends_at_once: bool = False):
+    """A random chat model (GPT-2's vocabulary and the template's two tokens); `ends_at_once`:
+    its head draws <|im_end|> (id 50258) at every position."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50259, block_size=128, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config.__class__(**{**config.to_dict(), "tie_embeddings": not ends_at_once}))
+    if ends_at_once:  # every hidden state is ones after ln_f; only row 50258 sees them
+        with torch.no_grad():
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.fill_(1.0)
+            model.lm_head.weight.normal_(0, 0.01)
+            model.lm_head.weight[50258] = 1.0
+    save_checkpoint(
+        path / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, CHAT_META
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("chat") / "run")
+
+
+def serve(serve_in_process, run) -> openai.OpenAI:
+    ckpt = load_source(run, "cpu", attention="manual")  # as serve.py loads it
+    limits = dict(max_batch=4, max_queue=4, max_tokens=64, max_n=4, max_body_bytes=100_000)
+    limits |= dict(page_tokens=32, max_prompt_tokens=128, api_key=None)
+    server = Server(ckpt.model.eval(), ckpt.tokenizer(), "chat", limits, hosts=None)
+    server.batcher.start()
+    url = serve_in_process(server)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def as_file(tmp_path, messages: list[dict]) -> str:
+    path = tmp_path / f"messages-{len(list(tmp_path.glob('messages-*')))}.json"
+    path.write_text(json.dumps(messages))
+    return f"messages={path}"
+
+
+def sample_chat(run, tmp_path, *args: str, **popen) -> str:
+    proc = run_script(
+        "sample.py", f"checkpoint={run}", "temperature=0", "max_new_tokens=12", "dtype=float32",
+        *args, cwd=tmp_path, **popen,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_openai_client_gets_sample_pys_reply(serve_in_process, chat_run, tmp_path):
+    client = serve(serve_in_process, chat_run)
+    answer = client.chat.completions.create(
+        model="chat", messages=MESSAGES, temperature=0, max_tokens=12
+    )
+    chunks = client.chat.completions.create(
+        model="chat", messages=MESSAGES, temperature=0, max_tokens=12, stream=True
+    )
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    choice = answer.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert answer.object == "chat.completion" and answer.usage.completion_tokens == 12
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+    reply = sample_chat(chat_run, tmp_path, as_file(tmp_path, MESSAGES))
+    assert reply == choice.message.content + "\n"
+    typed = sample_chat(chat_run, tmp_path, "'messages=[{role: user, content: Hail}]'".strip("'"))
+    assert typed == sample_chat(
+        chat_run, tmp_path, as_file(tmp_path, [MESSAGES[1] | {"content": "Hail"}])
+    )
+
+
+def test_choices_seeds_and_logprobs(serve_in_process, chat_run):
+    client = serve(serve_in_process, chat_run)
+    fields = dict(model="chat", messages=MESSAGES, max_tokens=5, n=2, seed=7, temperature=1.5)
+    first = client.chat.completions.create(**fields, logprobs=True, top_logprobs=2)
+    again = client.chat.completions.create(**fields)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.choices[0].message.content != first.choices[1].message.content
+    for choice in first.choices:
+        entries = choice.logprobs.content
+        assert "".join(e.token for e in entries) == choice.message.content
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert again.choices[0].logprobs is None
+
+
+def test_a_reply_ends_at_the_end_of_turn(serve_in_process, tmp_path):
+    run = save_chat_model(tmp_path / "run", ends_at_once=True)
+    answer = serve(serve_in_process, run).chat.completions.create(
+        model="chat", messages=MESSAGES, max_tokens=12
+    )
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("", "stop")
+    assert sample_chat(run, tmp_path, as_file(tmp_path, MESSAGES)) == "\n"
+
+
+def test_a_base_model_and_bad_messages_are_400s(serve_in_process, chat_run, tmp_path):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    save_checkpoint(base / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
+    with pytest.raises(openai.BadRequestError, match="base model without a chat template"):
+        serve(serve_in_process, base).chat.completions.create(model="m", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="messages") as raised:
+        bad = [{"role": "tool", "content": "hi"}]
+        serve(serve_in_process, chat_run).chat.completions.create(model="chat", messages=bad)
+    assert raised.value.body["param"] == "messages"
+
+
+def test_the_terminal_conversation_keeps_its_history(chat_run, tmp_path):
+    """Two turns typed, then an empty line: each reply is the one-shot reply to the
+    conversation so far (the first reply is part of the second turn's history)."""
+    out = sample_chat(
+        chat_run, tmp_path, "chat=true", "system=You are HAMLET.", input="Hi\nAnd?\n\n"
+    )
+    first, second = out.splitlines()
+    history = [
+        {"role": "system", "content": "You are HAMLET."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert sample_chat(chat_run, tmp_path, as_file(tmp_path, history)) == first + "\n"
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And?"}]
+    assert sample_chat(chat_run, tmp_path, as_file(tmp_path, history)) == second + "\n"
