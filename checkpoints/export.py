@@ -4,7 +4,10 @@
                                            LlamaForCausalLM (rope + rmsnorm + swiglu)
     generation_config.json                 generation stops at block_size (n_positions)
     tokenizer.json, tokenizer_config.json  the model's tokenizer (gpt2, bytes or bpe-<N>) as
-                                           a fast tokenizer: the same ids as ours
+                                           a fast tokenizer: the same ids as ours; a chat
+                                           model's adds <|im_start|>, <|im_end|> and the
+                                           template (chat_template), and ends replies at
+                                           <|im_end|> (generation_config.json)
     README.md                              a model card: data, steps, validation bpb
 
 Only exact equivalents are exported: each mapping computes the same logits as our model (tests
@@ -33,6 +36,7 @@ from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
+from data.chat import CHAT_TEMPLATE, IM_END
 from model import GPTConfig
 
 EOT = "<|endoftext|>"
@@ -103,12 +107,18 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
         embeddings = ("wte.weight", "lm_head.weight")
         state = {k: v[:n_vocab] if k.endswith(embeddings) else v for k, v in state.items()}
     special_tokens = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
+    ends: int | list[int] = eot
+    chat = {}
+    if ckpt.chat_template:  # a reply ends at <|im_end|>, or <|endoftext|> (as serve.py's)
+        ends, chat = [tokenizer.encode_single_token(IM_END), eot], {"chat_template": CHAT_TEMPLATE}
+        # <|im_end|> alone is special: "<|endoftext|>" stays text outside the template, as ours
+        special_tokens = {"eos_token": IM_END}
     return {
         "config.json": hf_config,
         # generate()'s (and pipelines') length, the prompt included: never past the positions
         "generation_config.json": {
             "bos_token_id": eot,
-            "eos_token_id": eot,
+            "eos_token_id": ends,
             "max_length": config.block_size,
         },
         "model.safetensors": _gpt2_state(state) if kind == "gpt2" else _llama_state(state),
@@ -116,8 +126,11 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": config.block_size,
-            "split_special_tokens": True,  # "<|endoftext|>" in a text is text (encode_ordinary)
+            # "<|endoftext|>" in a text is text (encode_ordinary); a chat template's tokens
+            # are added tokens, matched in the rendered template (as render() places them)
+            "split_special_tokens": not chat,
             **special_tokens,
+            **chat,
         },
         "special_tokens_map.json": special_tokens,
         "README.md": model_card(ckpt, ARCHITECTURES[kind]),
@@ -174,9 +187,13 @@ def _tokenizer_json(tokenizer: tiktoken.Encoding) -> dict[str, Any]:
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
     split = {"type": "Split", "pattern": {"Regex": tokenizer._pat_str}, "behavior": "Isolated"}
+    specials = {t: tokenizer.encode_single_token(t) for t in tokenizer.special_tokens_set}
+    flags = dict(single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
     return {
         "version": "1.0",
-        "added_tokens": [],  # <|endoftext|>: tokenizer_config.json's eos_token
+        "added_tokens": [  # a chat template's; <|endoftext|>: tokenizer_config.json's eos_token
+            dict(id=i, content=t, **flags) for t, i in sorted(specials.items()) if t != EOT
+        ],
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
@@ -184,7 +201,7 @@ def _tokenizer_json(tokenizer: tiktoken.Encoding) -> dict[str, Any]:
         "decoder": byte_level,
         "model": {
             "type": "BPE",
-            "vocab": {spell(b): rank for b, rank in ranks.items()} | {EOT: tokenizer.eot_token},
+            "vocab": {spell(b): rank for b, rank in ranks.items()} | specials,
             "merges": merges,
         },
     }

@@ -11,6 +11,7 @@ passes). What llama.cpp reads, checked against a llama.cpp build by scripts/llam
     general.architecture       gpt2 (GPT-2's architecture) or llama (rope + rmsnorm + swiglu)
     <arch>.*                   the config.json values (HPARAMS): context length, widths, eps, rope
     tensors                    gguf-py's names for the Hugging Face ones, in gguf.dtype
+    tokenizer.chat_template    a chat model's template (data/chat.py), <|im_end|> its eot
     tokenizer.ggml.*           llama.cpp's byte-level BPE ("gpt2"): tokens, merges, the
                                pre-tokenizer that splits text as our pattern, <|endoftext|> as
                                bos, eos and eot, and no bos added before a prompt
@@ -28,6 +29,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from base.errors import ConfigError
 from checkpoints.hf import CONV1D_WEIGHTS
+from data.chat import CHAT_TEMPLATE, IM_END
 from data.tokenizer import ENDOFTEXT, PATTERN
 
 # gguf.dtype: the matrices' torch dtype, GGML type and the file type llama.cpp reports
@@ -124,12 +126,16 @@ def _add_tokenizer(
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(sorted(vocab, key=vocab.get))
     types = [gguf.TokenType.NORMAL] * tokenizer.n_vocab
-    types[eot] = gguf.TokenType.CONTROL
+    for token in tokenizer.special_tokens_set:  # <|endoftext|>, and a chat template's two
+        types[tokenizer.encode_single_token(token)] = gguf.TokenType.CONTROL
     writer.add_token_types(types)
     # llama.cpp refuses a BPE without merges (bytes has none): one that never applies, as its
     # BPE starts from single characters and no merge makes <|endoftext|>
     writer.add_token_merges(model["merges"] or [f"{ENDOFTEXT} {ENDOFTEXT}"])
+    chat = IM_END in tokenizer.special_tokens_set  # a chat model: its turns end at <|im_end|>
     writer.add_bos_token_id(eot)
     writer.add_eos_token_id(eot)
-    writer.add_eot_token_id(eot)
+    writer.add_eot_token_id(tokenizer.encode_single_token(IM_END) if chat else eot)
     writer.add_add_bos_token(False)  # else llama.cpp puts <|endoftext|> before every prompt
+    if chat:
+        writer.add_chat_template(CHAT_TEMPLATE)

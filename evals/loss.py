@@ -148,11 +148,11 @@ def evaluate_checkpoint(
         mask = None
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
-        data_cfg = {"name": cfg["data"]} if cfg["data"] else ckpt.run_config.get("data")
+        data_cfg = {"name": cfg["dataset"]} if cfg["dataset"] else ckpt.run_config.get("data")
         if data_cfg is None:
             raise DataError(
                 f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
-                "(no run.data in its config.json); evaluate with data=<name> or text_file=<path>"
+                "(no run.data in its config.json); evaluate with dataset=<name> or text_file=<path>"
             )
         data = prepare_data(data_cfg, verbose=False)
         if not ckpt.same_tokenizer(data):
