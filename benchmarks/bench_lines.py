@@ -92,6 +92,16 @@ FEATURES = {
     "architecture options: RoPE, RMSNorm": [
         ("model/gpt.py", ["RMSNorm", "RotaryTables", "apply_rope"]),
     ],
+    "chat: template, conversation data, chat in sample.py and serve.py": [
+        ("data/chat.py", None),
+        ("data/sources.py", ["load_chat_plays", "CHAT_BUILDERS", "check_json_lines"]),
+        ("data/sources.py", ["load_chat_files", "_column"]),
+        ("data/pipeline.py", ["data_tokenizer", "_skipped"]),
+        ("model/gpt.py", ["GPT.add_tokens"]),
+        ("checkpoints/store.py", ["add_template_tokens"]),
+        ("inference/cli.py", ["read_messages", "reply", "converse"]),
+        ("inference/server.py", ["Message", "ChatRequest", "Server.chat_completions"]),
+    ],
     "run directory lock": [
         ("trainer/preflight.py", ["LOCK_FILE", "RunDirLocked", "_in_forked_child"]),
         ("trainer/preflight.py", ["acquire_run_lock"]),
