@@ -183,3 +183,19 @@ def test_bad_conversation_files_are_one_line_and_leave_nothing(tmp_path, rows, m
     assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no file left
+
+
+def test_the_smol_smoltalk_config_reads_its_columns_from_local_parquet(tmp_path: Path) -> None:
+    """configs/data/smol_smoltalk.yaml on local files of the hub dataset's shape (columns
+    `messages` and `source`, splits train and test), as a user without the hub would run it."""
+    from datasets import Dataset
+
+    files = {}
+    for split, n in (("train", 3), ("test", 1)):
+        rows = {"messages": [CONVERSATION] * n, "source": ["smol-magpie-ultra"] * n}
+        files[split] = str(tmp_path / f"{split}.parquet")
+        Dataset.from_dict(rows).to_parquet(files[split])
+    cfg = {"name": "smol_smoltalk", "path": "parquet", "data_files": files}
+    data = prepare_data({**cfg, "cache_dir": str(tmp_path / "cache")}, verbose=False)
+    ids, mask = render(CONVERSATION, data.tokenizer(), generation_prompt=False)
+    assert data.tokens("train").tolist() == ids * 3 and data.mask("val").tolist() == mask

@@ -1,17 +1,15 @@
 """Chat fine-tuning (experiment=chat_sft): a base run grows the template's two token rows, trains
 on assistant tokens alone, records its template, resumes exactly, and reports the held-out
-assistant loss."""
+assistant loss. Resuming mid-SFT bit-identically: tests/trainer/test_loop.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from checkpoints.store import load_checkpoint
 from data.chat import IM_END, IM_START
 from data.loader import eval_tokens
 from tests.conftest import losses, make_trainer
-from tests.trainer.test_loop import Crash, crash_at
 
 SFT = ("experiment=chat_sft", "model.block_size=32", "optim.lr=3e-3", "optim.warmup_steps=2")
 
@@ -50,19 +48,3 @@ def test_a_chat_checkpoint_is_fine_tuned_without_growing_again(tmp_path, trained
     first.run()
     again = make_trainer(tmp_path / "b", chat_corpus, *SFT, f"train.init_from={tmp_path / 'a'}")
     assert torch.equal(again.model.transformer.wte.weight, first.model.transformer.wte.weight)
-
-
-def test_chat_sft_resumes_exactly(tmp_path, trained_run, chat_corpus):
-    overrides = (*SFT, f"train.init_from={trained_run}")
-    straight = make_trainer(tmp_path / "a", chat_corpus, *overrides)
-    straight.run()
-    crashed = make_trainer(tmp_path / "b", chat_corpus, *overrides)
-    crash_at(crashed, 9)  # the last checkpoint was written after step 6
-    with pytest.raises(Crash):
-        crashed.run()
-    resumed = make_trainer(tmp_path / "b", chat_corpus, *overrides, "train.resume=auto")
-    assert resumed.state.step == 6
-    resumed.run()
-    assert {s: losses(resumed)[s] for s in range(7, 13)} == {
-        s: losses(straight)[s] for s in range(7, 13)
-    }  # bit-identical

@@ -173,10 +173,15 @@ def test_overfits_one_batch():
     assert loss.item() < 0.05
 
 
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, optim):
-    # dropout: the RNG state must be restored too; muon: its momentum buffers and AdamW's moments
+@pytest.mark.parametrize("optim, chat", [("adamw", False), ("muon", False), ("adamw", True)])
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, optim, chat, request):
+    # dropout: the RNG state must be restored too; muon: its momentum buffers and AdamW's moments;
+    # chat: chat fine-tuning a base run (tests/trainer/test_chat_sft.py), stopped mid-SFT
     overrides = ("model.dropout=0.1", f"optim={optim}")
+    if chat:
+        corpus = request.getfixturevalue("chat_corpus")
+        run = request.getfixturevalue("trained_run")
+        overrides = (*overrides, "experiment=chat_sft", f"train.init_from={run}")
     straight = make_trainer(tmp_path / "a", corpus, *overrides)
     straight.run()
 
