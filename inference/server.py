@@ -46,7 +46,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import check, is_int, user_errors
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
-from data.chat import IM_END, generation_prompt
+from data.chat import IM_END, IM_START, generation_prompt, render
 from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import token_labels
 from inference.batching import Batcher, Job
@@ -115,7 +115,10 @@ class ChatRequest(Sampling):
 
 
 class AttentionRequest(Strict):
-    text: str
+    """A text, or a conversation (a chat model's) in the chat template: one of the two."""
+
+    text: str | None = None
+    messages: list[Message] | None = None
 
 
 class CausalityRequest(Strict):
@@ -146,8 +149,10 @@ class Server:
         self.views = ThreadPoolExecutor(1)  # the page's views, one at a time: each uses all cores
         self.viewing = 0  # page views running or waiting
         self.page = PAGE.read_text(encoding="utf-8")
-        chat = IM_END in tokenizer.special_tokens_set  # a chat fine-tuned model
-        self.end = tokenizer.encode_single_token(IM_END) if chat else None
+        chat = IM_END in tokenizer.special_tokens_set  # a chat fine-tuned model: its turns
+        self.start, self.end = (
+            tokenizer.encode_single_token(t) if chat else None for t in (IM_START, IM_END)
+        )
 
     def admit(self, request: Request) -> None:
         """Every route's gate: the server's own Host, no other origin (see the top)."""
@@ -387,9 +392,20 @@ class Server:
             self.viewing -= 1
 
     def attention(self, req: AttentionRequest) -> dict:
-        """S of every head of every layer over the text's first page_tokens tokens."""
-        every = self.tokenizer.encode_ordinary(req.text) or [self.tokenizer.eot_token]
-        ids = every[: self.limits["page_tokens"]]
+        """S of every head of every layer over the text's first page_tokens tokens, or over a
+        conversation's last page_tokens (its newest reply), with where each turn starts."""
+        limit = self.limits["page_tokens"]
+        if (req.text is None) == (req.messages is None):
+            raise ApiError(400, "send either text or messages", "text")
+        if req.messages is None:
+            every = self.tokenizer.encode_ordinary(req.text) or [self.tokenizer.eot_token]
+            ids = every[:limit]
+        elif self.end is None:
+            raise ApiError(400, f"{self.name} is a base model without a chat template", "messages")
+        else:
+            messages = [m.model_dump() for m in req.messages]
+            every = render(messages, self.tokenizer, generation_prompt=False)[0]
+            ids = every[-limit:]
         idx = torch.tensor([ids], device=self.model.lm_head.weight.device)
         probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
         return {
@@ -397,6 +413,7 @@ class Server:
             "tokens": token_labels(self.tokenizer, ids),
             "heads": probs.mul(1e6).round().div(1e6).tolist(),  # 6 decimals: 3 MB at 8 x 4 x 64²
             "truncated": len(every) > len(ids),
+            "turns": [i for i, token in enumerate(ids) if token == self.start],  # <|im_start|>
         }
 
     @torch.inference_mode()
@@ -433,7 +450,8 @@ class Server:
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
         counts = {**self.batcher.counts(), "views": self.viewing}
-        return {"model": self.name, **shape, "limits": self.limits, **counts}
+        chat = self.end is not None
+        return {"model": self.name, **shape, "chat": chat, "limits": self.limits, **counts}
 
 
 async def _hang_up(request: Request) -> None:

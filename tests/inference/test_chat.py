@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from checkpoints.store import load_source, save_checkpoint
+from data.chat import render
 from inference.server import Server
 from model import GPT, GPTConfig
 from tests.conftest import run_script
+from tests.inference.conftest import request
 
 MESSAGES = [
     {"role": "system", "content": "You are HAMLET, answering HORATIO."},
@@ -48,13 +50,17 @@ def chat_run(tmp_path_factory):
 
 
 def serve(serve_in_process, run) -> openai.OpenAI:
+    url = serve_url(serve_in_process, run)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def serve_url(serve_in_process, run) -> str:
     ckpt = load_source(run, "cpu", attention="manual")  # as serve.py loads it
     limits = dict(max_batch=4, max_queue=4, max_tokens=64, max_n=4, max_body_bytes=100_000)
-    limits |= dict(page_tokens=32, max_prompt_tokens=128, api_key=None)
+    limits |= dict(page_tokens=128, max_prompt_tokens=128, api_key=None)
     server = Server(ckpt.model.eval(), ckpt.tokenizer(), "chat", limits, hosts=None)
     server.batcher.start()
-    url = serve_in_process(server)
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    return serve_in_process(server)
 
 
 def as_file(tmp_path, messages: list[dict]) -> str:
@@ -144,3 +150,27 @@ def test_the_terminal_conversation_keeps_its_history(chat_run, tmp_path):
     assert sample_chat(chat_run, tmp_path, as_file(tmp_path, history)) == first + "\n"
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And?"}]
     assert sample_chat(chat_run, tmp_path, as_file(tmp_path, history)) == second + "\n"
+
+
+def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
+    """/api/attention with messages: the template's ids, the newest page_tokens of them, and
+    where each turn starts; text and messages together, or messages to a base model: 400."""
+    url = serve_url(serve_in_process, chat_run)
+    status, _, view = request(url, "POST", "/api/attention", {"messages": MESSAGES})
+    ids = render(MESSAGES, load_source(chat_run).tokenizer(), generation_prompt=False)[0]
+    assert status == 200 and view["ids"] == ids and not view["truncated"]
+    assert view["turns"] == [i for i, token in enumerate(ids) if token == 50257]
+    assert len(view["turns"]) == 4
+    longer = MESSAGES + [{"role": "assistant", "content": "word " * 100}]
+    status, _, view = request(url, "POST", "/api/attention", {"messages": longer})
+    ids = render(longer, load_source(chat_run).tokenizer(), generation_prompt=False)[0]
+    assert view["ids"] == ids[-128:] and view["truncated"]  # the newest reply kept
+    both = {"messages": MESSAGES, "text": "hi"}
+    assert request(url, "POST", "/api/attention", both)[0] == 400
+    base = tmp_path / "base"
+    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    save_checkpoint(base / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
+    status, _, body = request(
+        serve_url(serve_in_process, base), "POST", "/api/attention", {"messages": MESSAGES}
+    )
+    assert status == 400 and "without a chat template" in body["error"]["message"]

@@ -8,11 +8,14 @@ import re
 import shutil
 from pathlib import Path
 
+import openai
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.inference.test_chat import MESSAGES, save_chat_model, serve_url
 
 DRIVER = shutil.which("chromedriver")
 
@@ -81,3 +84,44 @@ def test_the_page_streams_shows_causal_attention_and_causality(server, browser, 
     assert "exactly 0" in browser.find_element(By.ID, "causality").text
     assert float(browser.find_element(By.ID, "after").get_attribute("data-value")) > 0
     browser.save_screenshot(str(tmp_path / "page.png"))
+
+
+def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
+    serve_in_process, browser, tmp_path: Path
+):
+    """A chat model's page: the panel streams the reply /v1/chat/completions gives, then draws S
+    over system, user and assistant turns, each turn's start marked in rows, columns and tokens."""
+    run = save_chat_model(tmp_path / "run")
+    url = serve_url(serve_in_process, run)
+    wait = WebDriverWait(browser, 120)
+    browser.get(url)
+    wait.until(lambda b: b.find_element(By.ID, "chat").is_displayed())
+    browser.find_element(By.ID, "max_tokens").clear()
+    browser.find_element(By.ID, "max_tokens").send_keys("8")
+    browser.find_element(By.ID, "temperature").clear()
+    browser.find_element(By.ID, "temperature").send_keys("0")
+    browser.find_element(By.ID, "system").send_keys(MESSAGES[0]["content"])
+    browser.find_element(By.ID, "message").send_keys(MESSAGES[1]["content"])
+    browser.find_element(By.ID, "send").click()
+    status = browser.find_element(By.ID, "chat_status")
+    wait.until(lambda b: status.get_attribute("data-state") in ("done", "failed"))
+    assert status.text.startswith("done: 8 tokens, finish_reason length"), status.text
+    reply = browser.find_elements(By.CSS_SELECTOR, "#conversation p.assistant")[0].text
+    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    answer = expected.chat.completions.create(
+        model="chat", messages=MESSAGES[:2], temperature=0, max_tokens=8
+    )
+    assert reply == "assistant" + answer.choices[0].message.content  # the role, then the text
+
+    wait.until(lambda b: b.find_element(By.ID, "attention").get_attribute("data-state") == "ready")
+    spans = "[...document.querySelectorAll('#tokens span')]"
+    tokens = browser.execute_script(f"return {spans}.map(s => [s.textContent, s.className])")
+    ids = browser.execute_script("return view.ids")  # what /api/attention answered
+    starts = [i for i, token in enumerate(ids) if token == 50257]  # <|im_start|>: three turns
+    assert len(starts) == 3 and len(tokens) == len(ids)
+    assert [i for i, (_, kind) in enumerate(tokens) if "turn" in kind] == starts
+    T = len(tokens)
+    rows = "[...document.querySelectorAll('#heatmap .cell.turn-row')]"
+    marked = browser.execute_script(f"return {rows}.map(c => Number(c.dataset.i))")
+    assert sorted(set(marked)) == starts and len(marked) == sum(i + 1 for i in starts)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap .cell")) == T * T
