@@ -83,10 +83,22 @@ class BatchSampler:
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch number `step`, without moving the position (for a prefetching reader)."""
-        rng = np.random.default_rng([self.seed, step])
-        offsets = rng.choice(self.n_windows, size=self.world_size * self.batch_size, replace=False)
-        mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        mine = self._offsets(step)[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return _windows(self.tokens, mine, self.block_size, self.mask)
+
+    def targets(self, step: int) -> int:
+        """The targets batch `step` holds on all ranks together: every position, or a chat
+        split's assistant tokens. Every rank knows it without a collective, as the batch is a
+        pure function of the step: the loss of a step is its sum over this count."""
+        if self.mask is None:
+            return self.world_size * self.batch_size * self.block_size
+        index = self._offsets(step)[:, None] + np.arange(1, self.block_size + 1)
+        return int(self.mask[index].sum())
+
+    def _offsets(self, step: int) -> np.ndarray:
+        """Every rank's window offsets of batch `step`; rank r's are the r-th batch_size."""
+        rng = np.random.default_rng([self.seed, step])
+        return rng.choice(self.n_windows, size=self.world_size * self.batch_size, replace=False)
 
     def state_dict(self) -> dict[str, int]:
         """Plain ints: safe for ``torch.load(weights_only=True)`` and JSON."""
@@ -175,6 +187,9 @@ class PrefetchingSampler:
             raise item
         self.sampler.step += 1
         return item
+
+    def targets(self, step: int) -> int:
+        return self.sampler.targets(step)
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()  # the batches handed out, not those read ahead

@@ -104,11 +104,12 @@ def evaluate(
         for (x, y), scores in in_lockstep(batches, (window, window), precision.device):
             x, y = x.to(precision.device), y.to(precision.device)
             with precision.autocast():
-                _, loss = model(x, y)
-            if not scores:
+                _, loss = model(x, y, loss_reduction="sum")
+            scored = int((y != -1).sum())
+            if not scores or not scored:  # a filler, or a chat window without a reply token
                 continue
-            batch_loss, scored = loss.item(), int((y != -1).sum())
-            stats += torch.tensor([batch_loss * scored, scored, 1, batch_loss, batch_loss**2])
+            nats, batch_loss = loss.item(), loss.item() / scored
+            stats += torch.tensor([nats, scored, 1, batch_loss, batch_loss**2])
             if progress is not None:
                 progress(int(stats[1]))
     nats, scored, n, loss_sum, loss_sq_sum = all_reduce_sum(stats.tolist(), precision.device)

@@ -533,17 +533,25 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        loss_reduction: str = "mean",
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx: (B, T) token ids. Without targets: (logits (B, T, vocab), None). With targets
-        (B, T), the next token at each position (-1 is ignored): (None, mean cross-entropy); the
-        logits die inside the call, so no (B, T, vocab) tensor is kept alive through backward.
-        With a cache, idx holds only the new tokens and positions continue from the cache."""
+        (B, T), the next token at each position (-1 is ignored): (None, mean cross-entropy, or
+        with loss_reduction="sum" the total, for a caller that weighs batches by their targets);
+        the logits die inside the call, so no (B, T, vocab) tensor is kept alive through
+        backward. With a cache, idx holds only the new tokens and positions continue from it."""
         logits = self.logits(self.hidden_states(idx, cache))  # (B, T, vocab)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+            logits.view(-1, logits.size(-1)).float(),
+            targets.reshape(-1),
+            ignore_index=-1,
+            reduction=loss_reduction,
         )
         return None, loss
 

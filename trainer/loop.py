@@ -353,14 +353,21 @@ class Trainer:
         scale = lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction)
         set_lr(self.optimizer, scale)
         accum = cfg.train.grad_accum_steps
+        # The step's loss is the mean over all of its targets, on every rank and micro-batch (a
+        # chat batch's assistant tokens vary in number): each micro-batch's summed loss over
+        # that count, known to every rank without a collective, times the world size, as DDP
+        # averages gradients over ranks.
+        first = self.sampler.state_dict()["step"]
+        targets = sum(self.sampler.targets(first + i) for i in range(accum))
+        scale = self.dist.world_size / max(targets, 1)
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
             x, y = self.sampler.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with gradient_sync(self.step_model, enabled=i == accum - 1):
                 with self.precision.autocast():
-                    _, loss = self.step_model(x, y)
-                loss = loss / accum
+                    _, loss = self.step_model(x, y, loss_reduction="sum")
+                loss = loss * scale
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         if self.scaler:

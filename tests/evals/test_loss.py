@@ -136,3 +136,22 @@ def test_evaluate_py_bad_input(trained_run, tmp_path, args, message):
     result = run_script("evaluate.py", *args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith(message) and "Traceback" not in result.stderr
+
+
+def test_a_chat_split_scores_its_assistant_tokens_alone():
+    """With a mask, only assistant targets count, each once, with its window's context; windows
+    without one (here most) add nothing, not a NaN; bpb spreads nbytes over the scored tokens."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(block_size=8)).eval()
+    tokens = np.arange(41) % 101
+    mask = np.zeros(41, dtype=np.uint8)
+    mask[[3, 4, 5, 30, 31, 40]] = 1
+    result = evaluate(model, tokens, 60, batch_size=2, precision=CPU, mask=mask)
+    nats = 0.0
+    with torch.no_grad():
+        for t in np.flatnonzero(mask):  # target t, predicted from its window's start to t - 1
+            start = (t - 1) // 8 * 8
+            logits = model(torch.tensor([tokens[start:t]]))[0][0, -1]
+            nats -= F.log_softmax(logits, -1)[tokens[t]].item()
+    assert result.tokens == 6 and result.loss == pytest.approx(nats / 6, rel=1e-5)
+    assert result.bpb == pytest.approx(nats / (60 * math.log(2)), rel=1e-5)

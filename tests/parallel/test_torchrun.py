@@ -122,6 +122,22 @@ def test_ddp_equals_one_process_with_the_same_global_batch(ddp_run, tmp_path, co
     assert ddp_summary["val_loss"] == pytest.approx(summary["val_loss"], abs=2e-4)
 
 
+def test_ddp_chat_sft_equals_one_process(tmp_path, chat_corpus, trained_run, capsys):
+    """Chat fine-tuning a base run on 2 ranks: the ranks' windows hold different numbers of
+    assistant tokens, and the step is still the one process's mean over all of them."""
+    sft = [*RUN, *chat_corpus, "experiment=chat_sft", f"train.init_from={trained_run}"]
+    single = make_trainer(tmp_path / "single", chat_corpus, *sft, "train.batch_size=4")
+    halves = [single.sampler.batch_at(step)[1].split(2) for step in range(4)]
+    assert any(int((a != -1).sum()) != int((b != -1).sum()) for a, b in halves)  # teeth
+    single.run()
+    result = torchrun(ROOT / "train.py", *sft, f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert log_lines(result.stdout) == log_lines(capsys.readouterr().out)
+    reference = single.model.state_dict()
+    for name, tensor in weights(tmp_path / "ddp").items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5)
+
+
 def test_only_rank_0_prints(ddp_run):
     _, result = ddp_run
     out = result.stdout

@@ -4,6 +4,7 @@ assistant loss. Resuming mid-SFT bit-identically: tests/trainer/test_loop.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpoints.store import load_checkpoint
@@ -48,3 +49,27 @@ def test_a_chat_checkpoint_is_fine_tuned_without_growing_again(tmp_path, trained
     first.run()
     again = make_trainer(tmp_path / "b", chat_corpus, *SFT, f"train.init_from={tmp_path / 'a'}")
     assert torch.equal(again.model.transformer.wte.weight, first.model.transformer.wte.weight)
+
+
+def test_a_step_is_the_mean_over_all_its_assistant_tokens(tmp_path, trained_run, chat_corpus):
+    """Two micro-batches holding different numbers of assistant tokens: the step's loss (and
+    gradient) is their summed token losses over the total, not the mean of the two means, which
+    would weigh each micro-batch's tokens differently."""
+    overrides = (*SFT, f"train.init_from={trained_run}", "train.batch_size=2")
+    trainer = make_trainer(tmp_path, chat_corpus, *overrides, "train.grad_accum_steps=2")
+    sampler, model = trainer.sampler, trainer.model
+    first = next(
+        s for s in range(0, 100, 2) if 0 < sampler.targets(s) != sampler.targets(s + 1) > 0
+    )
+    sampler.load_state_dict({"seed": sampler.seed, "step": first})  # a step of two such halves
+    counts = [sampler.targets(first), sampler.targets(first + 1)]
+    sums = []
+    with torch.no_grad():
+        for step in (first, first + 1):
+            x, y = sampler.batch_at(step)
+            assert int((y != -1).sum()) == sampler.targets(step)
+            sums.append(model(x, y, loss_reduction="sum")[1].item())
+    expected = sum(sums) / sum(counts)
+    assert abs(expected - (sums[0] / counts[0] + sums[1] / counts[1]) / 2) > 1e-3
+    loss, _ = trainer.train_step()
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
