@@ -199,3 +199,36 @@ def test_the_smol_smoltalk_config_reads_its_columns_from_local_parquet(tmp_path:
     data = prepare_data({**cfg, "cache_dir": str(tmp_path / "cache")}, verbose=False)
     ids, mask = render(CONVERSATION, data.tokenizer(), generation_prompt=False)
     assert data.tokens("train").tolist() == ids * 3 and data.mask("val").tolist() == mask
+
+
+def test_the_packing_benchmark_measures_padding_and_truncation(chat_corpus, tmp_path) -> None:
+    """A row of one token is never padding and cuts every conversation; a row longer than any
+    conversation cuts none; the token count is the prepared split's."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_chat_packing.py"), *chat_corpus,
+         "--blocks", "1", "100000"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    files = dict(arg.split("=", 1) for arg in chat_corpus[1:])
+    cfg = {"name": "chat", "cache_dir": files["data.cache_dir"]}
+    cfg |= {key: files[f"data.{key}"][1:-1] for key in ("train_files", "val_files")}
+    tokens = len(prepare_data(cfg, verbose=False).tokens("train"))
+    assert f"chat/train: 300 conversations, {tokens:,} tokens" in proc.stdout
+    assert "| 1 | 0.0% | 100.0% |" in proc.stdout
+    assert "| 100000 |" in proc.stdout and proc.stdout.rstrip().endswith("| 0.0% | 0.0% |")
+
+
+def test_a_damaged_mask_is_never_used(chat_corpus, capsys) -> None:
+    """The mask is verified as the token files are: a flipped byte is named, then rebuilt."""
+    files = dict(arg.split("=", 1) for arg in chat_corpus[1:])
+    cfg = {"name": "chat", "cache_dir": files["data.cache_dir"]}
+    cfg |= {key: files[f"data.{key}"][1:-1] for key in ("train_files", "val_files")}
+    data = prepare_data(cfg, verbose=False)
+    path, good = data.dir / "val.mask.bin", data.mask("val").tolist()
+    damaged = bytearray(path.read_bytes())
+    damaged[7] ^= 1
+    path.write_bytes(bytes(damaged))
+    again = prepare_data(cfg, verbose=False)
+    assert f"{path} fails its sha256 check" in capsys.readouterr().err
+    assert again.mask("val").tolist() == good
