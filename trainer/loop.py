@@ -27,6 +27,7 @@ import torch
 from base.errors import ConfigError
 from base.progress import Progress
 from checkpoints.store import pretrained_model
+from data.chat import IM_END
 from data.loader import BatchSampler, PrefetchingSampler, eval_tokens
 from data.pipeline import prepare_data
 from evals.loss import EvalResult, evaluate
@@ -578,21 +579,28 @@ class Trainer:
         return result
 
     def _samples(self) -> list[tuple[str, str]]:
-        """Completions of two fixed prompts (nothing, and the validation text's opening), drawn
-        with their own seeded generator so that training's RNG stream is untouched."""
-        tokenizer = self.data.tokenizer()
-        eot = tokenizer.eot_token
-        opening = [t for t in self.data.tokens("val")[:17].tolist() if t != eot][:16]
+        """Completions of two fixed prompts (nothing, and the validation text's opening), or for
+        a chat dataset the reply to the held-out split's first conversation up to its first
+        assistant turn; drawn with their own seeded generator so that training's RNG stream is
+        untouched."""
+        tokenizer, val, mask = self.data.tokenizer(), self.data.tokens("val"), self.data.mask("val")
+        end = eot = tokenizer.eot_token
+        prompts = [[eot], [t for t in val[:17].tolist() if t != eot][:16]]
+        if mask is not None:  # it ends with <|im_start|>assistant\n; the reply ends at <|im_end|>
+            prompts, end = (
+                [val[: int(mask.argmax())].tolist()],
+                tokenizer.encode_single_token(IM_END),
+            )
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
         params = SamplingParams()  # sample.py's
         n = self.cfg.train.sample_tokens
-        settings = dict(eot_token=eot, vocab_size=tokenizer.n_vocab)
+        settings = dict(eot_token=end, vocab_size=tokenizer.n_vocab)
         rows = []
-        for prompt in ([eot], opening):
-            idx = torch.tensor([prompt], device=self.device)
+        for prompt in prompts:
+            idx = torch.tensor([prompt[-self.model.config.block_size :]], device=self.device)
             with eval_mode(self.model), self.precision.autocast():
                 out = generate(self.model, idx, n, params, generator, **settings)
-            new = [t for t in out[0, len(prompt) :].tolist() if t != eot]
+            new = [t for t in out[0, idx.size(1) :].tolist() if t != end]
             rows.append((tokenizer.decode([t for t in prompt if t != eot]), tokenizer.decode(new)))
         return rows
 

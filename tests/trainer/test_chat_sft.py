@@ -73,3 +73,15 @@ def test_a_step_is_the_mean_over_all_its_assistant_tokens(tmp_path, trained_run,
     assert abs(expected - (sums[0] / counts[0] + sums[1] / counts[1]) / 2) > 1e-3
     loss, _ = trainer.train_step()
     assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_sample_a_chat_run_records_is_a_reply(tmp_path, trained_run, chat_corpus):
+    """W&B's samples of a chat run: the held-out split's first conversation up to its first
+    reply, and the reply the model writes, ended at <|im_end|>."""
+    trainer = make_trainer(tmp_path, chat_corpus, *SFT, f"train.init_from={trained_run}")
+    [(prompt, reply)] = trainer._samples()
+    assert prompt.startswith("<|im_start|>system\nThis is Julius Caesar.")
+    assert (
+        prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and prompt.count("<|im_start|>") == 3
+    )
+    assert IM_END not in reply
