@@ -75,6 +75,24 @@ python -c 'import sys, urllib.request as r; print(r.urlopen(r.Request(sys.argv[1
 kill "$PID"
 expect completion.out '"finish_reason": ?"length"' "serve.py's completion"
 
+step "chat: python train.py experiment=chat_sft train.init_from=<run>, then sample.py chat=true and /v1/chat/completions"
+python train.py experiment=chat_sft train.init_from=runs/walk hydra.run.dir=runs/chat train.max_steps=10 \
+    train.eval_interval=5 train.final_eval=periodic > chat.out 2>&1 || { cat chat.out; fail "chat SFT exited $?"; }
+expect chat.out '^done: 10 steps' "chat SFT"
+SAMPLE=$(sed -n 's/^sample: //p' chat.out)  # the printed hint: a conversation, two turns typed
+expect chat.out '^sample: .* chat=true$' "chat SFT's sample hint"
+printf 'Good morrow, my lord.\nHow now?\n\n' | (cd / && eval "$SAMPLE max_new_tokens=5") > chat_sample.out 2>&1 || { cat chat_sample.out; fail "'$SAMPLE' exited $?"; }
+expect chat_sample.out '^chat: type a message' "sample.py chat=true"
+python serve.py checkpoint=runs/chat port=0 > serve.out 2>&1 &
+PID=$!
+for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
+URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
+[ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
+python -c 'import sys, openai; c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none"); print(c.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Good morrow"}], max_tokens=5).choices[0].finish_reason)' \
+    "$URL" > chat_completion.out || { kill "$PID"; cat serve.out; fail "the chat completion failed"; }
+kill "$PID"
+expect chat_completion.out '^(length|stop)$' "serve.py's chat completion"
+
 step "python evaluate.py"
 python evaluate.py checkpoint=runs/walk > eval.out 2>&1 || { cat eval.out; fail "evaluate.py exited $?"; }
 expect eval.out 'non-overlapping windows' "evaluate.py's method line"

@@ -646,7 +646,10 @@ class Trainer:
             if summary["final_eval"] != "whole":
                 split = f"validation subset ({tokens}, train.eval_steps batches)"
             result = f"; {split}: loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}"
-        sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
+        chat = ["chat=true"] if self.data.chat_template else []  # a conversation, for a chat run
+        sample = shlex.join(
+            ["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}", *chat]
+        )
         print(
             f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}{result}\n"
             f"checkpoint: {summary['checkpoint']} (best: {summary['best_checkpoint']})\n"
