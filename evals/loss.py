@@ -157,11 +157,13 @@ def evaluate_checkpoint(
             )
         data = prepare_data(data_cfg, verbose=False)
         if not ckpt.same_tokenizer(data):
-            raise DataError(
-                f"{data.dir} is not tokenized as the checkpoint {ckpt.path} was trained "
-                f"({data.tokenizer_name}, {ckpt.tokenizer_name}: another name, or the training "
-                "text changed since); evaluate with text_file=<path>"
-            )
+            name = data.tokenizer_name
+            why = f"with {name}, the checkpoint {ckpt.path} with {ckpt.tokenizer_name}"
+            if name == ckpt.tokenizer_name:
+                why = (
+                    f"with another {name} than the checkpoint {ckpt.path} (its text changed since)"
+                )
+            raise DataError(f"{data.dir} is tokenized {why}; evaluate with text_file=<path>")
         add_template_tokens(ckpt, data)  # a base model scored on conversations
         tokens, mask = data.tokens("val"), data.mask("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]

@@ -141,8 +141,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     stream = cfg["stream"]
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
-    messages = read_messages(cfg["messages"])
-    chat = bool(cfg["chat"]) or messages is not None
+    messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
+    chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or cfg["attention_plot"]):
         raise ValueError(
             "chat=true and messages answer a conversation: drop prompt, prompt_file, "
@@ -171,7 +171,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
         )
         if messages is not None:
             return [reply(ckpt, model, messages, settings, out)]
-        return converse(ckpt, model, settings, cfg["system"], out, err, sys.stdin)
+        return converse(ckpt, model, settings, cfg.get("system"), out, err, sys.stdin)
 
     ids = tokenizer.encode_ordinary(prompt) or [eot]
     block_size = model.config.block_size

@@ -4,7 +4,10 @@
 # steps is exported as GGUF; then llama-tokenize's ids must equal ours on mixed text (accents,
 # CJK, emoji, whitespace runs, a literal <|endoftext|>), llama-perplexity's perplexity ours on a
 # held-out play (to 1e-4, relative: every logit counts), and llama-simple's greedy continuation
-# sample.py's at temperature 0. Prints one line per check; exits 1 if any differs.
+# sample.py's at temperature 0. Then a chat model (chat SFT of the first case's run): llama-server
+# applies the GGUF's template to a conversation (/apply-template) as ours renders it, tokenizes
+# it (/tokenize) to our ids, and its greedy reply (/completion) is sample.py's chat reply. Prints
+# one line per check; exits 1 if any differs.
 #
 # Get and build llama.cpp: the source vendored in the llama-cpp-python sdist (0.3.36 vendors
 # llama.cpp 0c1e57098, the build these results come from: docs/evaluation.md#export):
@@ -13,7 +16,8 @@
 #   cmake -S /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llamacpp-build \
 #     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 #     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
-#   cmake --build /tmp/llamacpp-build --target llama-simple llama-tokenize llama-perplexity -j2
+#   cmake --build /tmp/llamacpp-build --target llama-simple llama-tokenize llama-perplexity \
+#     llama-server -j2
 # (or a clone of https://github.com/ggml-org/llama.cpp, built the same way).
 #
 # Usage, from the repository root: scripts/llamacpp_check.sh [llama.cpp's bin dir] [work dir]
@@ -37,7 +41,7 @@ CASES=(
   "bpe-1024 $GPT2"
   "bpe-1024 $LLAMA model.bias=false model.tie_embeddings=false"
 )
-for tool in llama-simple llama-tokenize llama-perplexity; do
+for tool in llama-simple llama-tokenize llama-perplexity llama-server; do
   [[ -x "$BIN/$tool" ]] || { echo "error: no $BIN/$tool; build it as this script's header says" >&2; exit 2; }
 done
 mkdir -p "$WORK"
@@ -57,7 +61,7 @@ check() {  # check NAME OURS THEIRS
 # Ours, for checkpoint $1: the ids of text.txt, then the perplexity llama-perplexity computes on
 # play.txt with -c 64: chunks of 64 tokens, each scoring its second half
 OURS='import sys, torch
-from checkpoints.sources import load_source
+from checkpoints.store import load_source
 ckpt = load_source(sys.argv[1])
 model, tokenizer = ckpt.model.float().eval(), ckpt.tokenizer()
 print(tokenizer.encode_ordinary(open(sys.argv[2] + "/text.txt", encoding="utf-8").read()))
@@ -94,5 +98,50 @@ for case in "${CASES[@]}"; do
   theirs=$("$BIN/llama-simple" -m "$run.gguf" -n "$NEW_TOKENS" "$PROMPT" 2> /dev/null || true)
   check "greedy      $name: $(printf %q "${ours#"$PROMPT"}")" "$ours" "$theirs"
 done
+
+# Chat: llama-server formats, tokenizes and answers a conversation as we do.
+base="$WORK/$(echo "${CASES[0]}" | tr ' =' '_-')"
+chat="$WORK/chat"
+if [[ ! -d "$chat/checkpoints/last" ]]; then
+  "$PYTHON" train.py experiment=chat_sft train.init_from="$base" train.max_steps=50 optim.lr=3e-3 \
+    train.final_eval=none train.eval_interval=100000 hydra.run.dir="$chat" > "$chat.train.log" 2>&1 \
+    || { echo "error: chat SFT failed: $chat.train.log" >&2; exit 1; }
+fi
+"$PYTHON" export.py checkpoint="$chat" out="$chat.gguf" format=gguf overwrite=true > /dev/null
+printf '[{"role": "system", "content": "This is Hamlet. You are HAMLET, answering HORATIO."}, {"role": "user", "content": "Hail to your lordship! Café 🙂"}]' > "$WORK/messages.json"
+port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$BIN/llama-server" -m "$chat.gguf" --port "$port" -c 64 > "$chat.server.log" 2>&1 &
+server=$!
+trap 'kill $server 2> /dev/null' EXIT
+THEIRS='import json, sys, time, urllib.request
+def post(path, body):
+    request = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request))
+for _ in range(600):  # until the model is loaded
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health")
+        break
+    except OSError:
+        time.sleep(0.1)
+prompt = post("/apply-template", {"messages": json.load(open(sys.argv[2]))})["prompt"]
+print(json.dumps(prompt))
+print(post("/tokenize", {"content": prompt, "add_special": False, "parse_special": True})["tokens"])
+answer = post("/completion", {"prompt": prompt, "n_predict": int(sys.argv[3]), "temperature": 0, "cache_prompt": False})
+print(json.dumps(answer["content"]))'
+OURS_CHAT='import json, sys
+from checkpoints.store import load_source
+from data.chat import CHAT_TEMPLATE, generation_prompt
+import jinja2
+messages = json.load(open(sys.argv[2]))
+print(json.dumps(jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)))
+print(generation_prompt(messages, load_source(sys.argv[1]).tokenizer()))'
+{ read -r their_prompt; read -r their_ids; read -r their_reply; } < <("$PYTHON" -c "$THEIRS" "$port" "$WORK/messages.json" 20)
+{ read -r our_prompt; read -r our_ids; } < <("$PYTHON" -c "$OURS_CHAT" "$chat" "$WORK/messages.json")
+check "chat template (llama-server /apply-template)" "$our_prompt" "$their_prompt"
+check "chat ids      (llama-server /tokenize)" "$our_ids" "$their_ids"
+ours=$("$PYTHON" sample.py checkpoint="$chat" messages="$WORK/messages.json" temperature=0 \
+  max_new_tokens=20 device=cpu dtype=float32 2> /dev/null)
+check "chat greedy   (llama-server /completion): $(printf %q "$ours")" "$(printf %s "$ours" | "$PYTHON" -c 'import json, sys; print(json.dumps(sys.stdin.read()))')" "$their_reply"
+
 [[ $failed == 0 ]] && echo "all equal (work dir: $WORK)"
 exit $failed
