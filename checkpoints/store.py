@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError
 from base.files import recover_swap, sha256_file, writable_error, write_dir_atomic
-from data.chat import chat_tokenizer
+from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
@@ -332,6 +332,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     for where, values in (("meta", config["meta"]), ("run.data", data or {})):
         if not isinstance(tokenizer := values.get("tokenizer"), (str, type(None))):
             raise CheckpointError(f"{file}: {where}.tokenizer must be a string, got {tokenizer!r}")
+    if (template := config["meta"].get("chat_template")) not in (None, TEMPLATE):
+        raise CheckpointError(f"{file}: meta.chat_template must be {TEMPLATE!r}, got {template!r}")
     return config
 
 

@@ -161,7 +161,7 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
 def _file_lists(cfg: dict[str, Any]) -> dict[str, list[Path]]:
     train = expand_files(cfg.get("train_files"), "train_files")
     if not train:
-        raise DataError("the text dataset needs data.train_files=[path/or/glob, ...]")
+        raise DataError(f"the {cfg['name']} dataset needs data.train_files=[path/or/glob, ...]")
     return {"train": train, "val": expand_files(cfg.get("val_files"), "val_files")}
 
 
@@ -330,8 +330,8 @@ def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.I
     ds = load_dataset(
         cfg["path"], cfg.get("subset"), split, streaming=streaming, data_files=cfg.get("data_files")
     )
-    column = "messages" if cfg.get("chat") else "text"
-    ds = _column(ds, cfg.get(f"{column.removesuffix('s')}_field", column), column, cfg["path"])
+    column, key = ("messages", "messages_field") if cfg.get("chat") else ("text", "text_field")
+    ds = _column(ds, cfg.get(key, column), column, cfg["path"])
     if (limit := cfg.get("max_documents")) is not None:
         ds = ds.take(limit if isinstance(ds, datasets.IterableDataset) else min(limit, len(ds)))
     return ds

@@ -17,6 +17,13 @@ fail() { printf 'README walk FAILED: %s\n' "$*" >&2; exit 1; }
 expect() {  # expect <file> <extended regex> <what>
     grep -Eq -- "$2" "$1" || { cat "$1"; fail "$3: no match for /$2/ in the output above"; }
 }
+serve() {  # serve <checkpoint>: python serve.py on a free port, in the background; sets PID, URL
+    python serve.py checkpoint="$1" port=0 > serve.out 2>&1 &
+    PID=$!
+    for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
+    URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
+    [ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
+}
 
 step "clean clone of $REPO"
 if git -C "$REPO" rev-parse --git-dir > /dev/null 2>&1; then
@@ -65,11 +72,7 @@ SAMPLE=$(sed -n 's/^sample: //p' train.out)  # the printed hint, run from anothe
 (cd / && eval "$SAMPLE max_new_tokens=5") > hint.out 2>&1 || { cat hint.out; fail "the printed '$SAMPLE' exited $?"; }
 
 step "python serve.py, and a completion through its API"
-python serve.py checkpoint=runs/walk port=0 > serve.out 2>&1 &
-PID=$!
-for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
-URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
-[ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
+serve runs/walk
 python -c 'import sys, urllib.request as r; print(r.urlopen(r.Request(sys.argv[1], b"{\"prompt\": \"**ROMEO**\", \"max_tokens\": 5}", {"Content-Type": "application/json"})).read().decode())' \
     "$URL/v1/completions" > completion.out || { kill "$PID"; cat serve.out; fail "the completion failed"; }
 kill "$PID"
@@ -83,11 +86,7 @@ SAMPLE=$(sed -n 's/^sample: //p' chat.out)  # the printed hint: a conversation, 
 expect chat.out '^sample: .* chat=true$' "chat SFT's sample hint"
 printf 'Good morrow, my lord.\nHow now?\n\n' | (cd / && eval "$SAMPLE max_new_tokens=5") > chat_sample.out 2>&1 || { cat chat_sample.out; fail "'$SAMPLE' exited $?"; }
 expect chat_sample.out '^chat: type a message' "sample.py chat=true"
-python serve.py checkpoint=runs/chat port=0 > serve.out 2>&1 &
-PID=$!
-for _ in $(seq 120); do grep -q '^serving ' serve.out && break; sleep 1; done
-URL=$(sed -nE 's/^serving .* on (http:\S+) .*/\1/p' serve.out)
-[ -n "$URL" ] || { kill "$PID"; cat serve.out; fail "serve.py printed no 'serving ... on http://...' line"; }
+serve runs/chat
 python -c 'import sys, openai; c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="none"); print(c.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Good morrow"}], max_tokens=5).choices[0].finish_reason)' \
     "$URL" > chat_completion.out || { kill "$PID"; cat serve.out; fail "the chat completion failed"; }
 kill "$PID"

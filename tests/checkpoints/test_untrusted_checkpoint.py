@@ -277,6 +277,7 @@ def test_a_manifest_without_the_weights_is_refused(ckpt):
         ({}, dict(extra={}), "unknown key(s) ['extra']; known: model, run, meta"),
         ({}, dict(run={"data": "shakespeare"}), "run.data must be a JSON object"),
         ({}, dict(meta={"tokenizer": 2}), "meta.tokenizer must be a string, got 2"),
+        ({}, dict(meta={"chat_template": "{{ evil }}"}), "meta.chat_template must be 'chatml'"),
     ],
 )
 def test_a_bad_config_field_is_one_error_line_naming_it(ckpt, capsys, model, sections, message):

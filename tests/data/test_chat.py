@@ -199,6 +199,10 @@ def test_the_smol_smoltalk_config_reads_its_columns_from_local_parquet(tmp_path:
     data = prepare_data({**cfg, "cache_dir": str(tmp_path / "cache")}, verbose=False)
     ids, mask = render(CONVERSATION, data.tokenizer(), generation_prompt=False)
     assert data.tokens("train").tolist() == ids * 3 and data.mask("val").tolist() == mask
+    for split in files:  # another dataset's column name: data.messages_field
+        Dataset.from_dict({"chat": [CONVERSATION]}).to_parquet(files[split])
+    cfg |= {"messages_field": "chat", "cache_dir": str(tmp_path / "cache")}
+    assert prepare_data(cfg, verbose=False).tokens("train").tolist() == ids
 
 
 def test_the_packing_benchmark_measures_padding_and_truncation(chat_corpus, tmp_path) -> None:
