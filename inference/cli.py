@@ -113,6 +113,8 @@ def converse(
     while True:
         print("> ", end="", file=err, flush=True)
         line = lines.readline()
+        if not line:  # the end of input (Ctrl-D): the prompt's line ends too
+            print(file=err)
         if not line.strip():
             return replies
         messages.append({"role": "user", "content": line.rstrip("\n")})
