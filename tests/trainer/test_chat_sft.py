@@ -85,3 +85,14 @@ def test_the_sample_a_chat_run_records_is_a_reply(tmp_path, trained_run, chat_co
         prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and prompt.count("<|im_start|>") == 3
     )
     assert IM_END not in reply
+
+
+def test_gpt2_weights_are_chat_fine_tuned(tmp_path, hf_gpt2_dir, chat_corpus):
+    """train.init_from=gpt2's path (a Hugging Face GPT-2 directory, as the hub's cache holds
+    it): its 50,257 rows grow by the template's two, and a chat checkpoint comes out."""
+    trainer = make_trainer(
+        tmp_path, chat_corpus, *SFT, f"train.init_from={hf_gpt2_dir}", "train.max_steps=2"
+    )
+    assert trainer.model.config.vocab_size == 50259
+    ckpt = load_checkpoint(trainer.run()["checkpoint"])
+    assert ckpt.chat_template == "chatml" and ckpt.tokenizer().n_vocab == 50259
