@@ -32,3 +32,20 @@ def test_eval_mode_restores_the_mode_even_when_the_block_raises():
     with eval_mode(model.eval()):
         pass
     assert not model.training  # a model in eval mode stays there
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_add_tokens_grows_the_embedding_and_head_by_mean_rows(tied):
+    """A chat template's two tokens on a model with 101 rows: 103 rows in the embedding and the
+    head (tied or not), the old ones unchanged, each new one the mean of the old ones."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(tie_embeddings=tied))
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.add_tokens(range(101, 103), mean_of=101)
+    assert model.config.vocab_size == 103
+    for name in ("transformer.wte.weight", *([] if tied else ["lm_head.weight"])):
+        new, mean = dict(model.named_parameters())[name], old[name].mean(dim=0)
+        assert new.shape == (103, 16) and torch.equal(new[:101], old[name])
+        assert torch.allclose(new[101], mean) and torch.allclose(new[102], mean)
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied
+    assert model(torch.tensor([[102, 5]]))[0].shape == (1, 2, 103)
