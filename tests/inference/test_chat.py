@@ -174,3 +174,12 @@ def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
         serve_url(serve_in_process, base), "POST", "/api/attention", {"messages": MESSAGES}
     )
     assert status == 400 and "without a chat template" in body["error"]["message"]
+
+
+def test_a_stop_string_ends_a_reply(serve_in_process, chat_run):
+    client = serve(serve_in_process, chat_run)
+    fields = dict(model="chat", messages=MESSAGES, temperature=0, max_tokens=12)
+    full = client.chat.completions.create(**fields).choices[0].message.content
+    stop = full[3:5]
+    cut = client.chat.completions.create(**fields, stop=[stop]).choices[0]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
