@@ -289,12 +289,10 @@ class Server:
         """Either kind of completion: the jobs go to the batcher; their pieces come back through
         an asyncio queue (the worker thread puts them on this event loop) as events (chat's
         chunks carry a `delta`) or one JSON."""
-        loop, events, chat = (
-            asyncio.get_running_loop(),
-            asyncio.Queue(),
-            isinstance(req, ChatRequest),
-        )
-        top = (req.top_logprobs or 0 if req.logprobs else None) if chat else req.logprobs
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        chat, top = isinstance(req, ChatRequest), req.logprobs  # completions: alternatives or None
+        if chat:  # chat: logprobs on or off, and top_logprobs alternatives
+            top = (req.top_logprobs or 0) if req.logprobs else None
 
         def emit(job: Job, text: str, token: int, reason: str | None, logits: torch.Tensor):
             logprobs = None
