@@ -10,7 +10,9 @@ import torch
 from checkpoints.store import load_checkpoint
 from data.chat import IM_END, IM_START
 from data.loader import eval_tokens
+from evals.loss import evaluate_checkpoint
 from tests.conftest import losses, make_trainer
+from tests.trainer.test_trained_tokenizer import config
 
 SFT = ("experiment=chat_sft", "model.block_size=32", "optim.lr=3e-3", "optim.warmup_steps=2")
 
@@ -42,6 +44,11 @@ def test_a_base_run_grows_the_template_rows_as_the_mean_of_its_rows(
     assert 0 < summary["val_tokens"] < len(val) - 1
     metrics = losses(trainer)
     assert metrics[12] < metrics[1]
+    # evaluate.py on the chat run scores the same held-out assistant tokens
+    cfg = config("evaluate", f"checkpoint={summary['checkpoint']}", "device=cpu", "dtype=float32")
+    result = evaluate_checkpoint(cfg)
+    assert result["tokens"] == summary["val_tokens"]
+    assert result["loss"] == pytest.approx(summary["val_loss"], abs=2e-4)
 
 
 def test_a_chat_checkpoint_is_fine_tuned_without_growing_again(tmp_path, trained_run, chat_corpus):
