@@ -151,7 +151,7 @@ def test_a_chat_split_scores_its_assistant_tokens_alone():
     with torch.no_grad():
         for t in np.flatnonzero(mask):  # target t, predicted from its window's start to t - 1
             start = (t - 1) // 8 * 8
-            logits = model(torch.tensor([tokens[start:t]]))[0][0, -1]
+            logits = model(torch.from_numpy(tokens[None, start:t]))[0][0, -1]
             nats -= F.log_softmax(logits, -1)[tokens[t]].item()
     assert result.tokens == 6 and result.loss == pytest.approx(nats / 6, rel=1e-5)
     assert result.bpb == pytest.approx(nats / (60 * math.log(2)), rel=1e-5)
