@@ -236,3 +236,24 @@ def test_a_damaged_mask_is_never_used(chat_corpus, capsys) -> None:
     again = prepare_data(cfg, verbose=False)
     assert f"{path} fails its sha256 check" in capsys.readouterr().err
     assert again.mask("val").tolist() == good
+
+
+@pytest.mark.parametrize("suffix", [".json", ".parquet"])
+def test_conversations_in_a_json_list_or_parquet(tmp_path: Path, suffix: str) -> None:
+    """data=chat reads a JSON list of {"messages": [...]} or parquet rows as it reads JSON lines;
+    without val_files a seeded val_fraction of the conversations is held out."""
+    from datasets import Dataset
+
+    rows = [{"messages": CONVERSATION[:3]}] * 9 + [{"messages": CONVERSATION}]
+    path = tmp_path / f"chats{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        Dataset.from_list(rows).to_parquet(str(path))
+    cfg = {"name": "chat", "train_files": [str(path)], "val_fraction": 0.2}
+    data = prepare_data({**cfg, "cache_dir": str(tmp_path / "cache")}, verbose=False)
+    splits = data.meta["splits"]
+    assert (splits["train"]["documents"], splits["val"]["documents"]) == (8, 2)
+    tokenizer = data.tokenizer()
+    every = sum(len(render(r["messages"], tokenizer, generation_prompt=False)[0]) for r in rows)
+    assert splits["train"]["tokens"] + splits["val"]["tokens"] == every
