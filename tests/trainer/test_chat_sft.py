@@ -103,3 +103,10 @@ def test_gpt2_weights_are_chat_fine_tuned(tmp_path, hf_gpt2_dir, chat_corpus):
     assert trainer.model.config.vocab_size == 50259
     ckpt = load_checkpoint(trainer.run()["checkpoint"])
     assert ckpt.chat_template == "chatml" and ckpt.tokenizer().n_vocab == 50259
+
+
+def test_a_chat_model_from_scratch(tmp_path, chat_corpus):
+    """experiment=chat_sft train.init_from=null: a new model sized by the chat tokenizer."""
+    trainer = make_trainer(tmp_path, chat_corpus, *SFT, "train.init_from=null", "train.max_steps=2")
+    assert trainer.model.config.vocab_size == 50259
+    assert load_checkpoint(trainer.run()["checkpoint"]).chat_template == "chatml"
