@@ -157,12 +157,10 @@ def evaluate_checkpoint(
             )
         data = prepare_data(data_cfg, verbose=False)
         if not ckpt.same_tokenizer(data):
-            name = data.tokenizer_name
-            why = f"with {name}, the checkpoint {ckpt.path} with {ckpt.tokenizer_name}"
-            if name == ckpt.tokenizer_name:
-                why = (
-                    f"with another {name} than the checkpoint {ckpt.path} (its text changed since)"
-                )
+            name, theirs = data.tokenizer_name, ckpt.tokenizer_name
+            why = f"with {name}, the checkpoint {ckpt.path} with {theirs}"
+            if name == theirs:
+                why = f"with another {name} than the checkpoint {ckpt.path} (its text changed)"
             raise DataError(f"{data.dir} is tokenized {why}; evaluate with text_file=<path>")
         add_template_tokens(ckpt, data)  # a base model scored on conversations
         tokens, mask = data.tokens("val"), data.mask("val")

@@ -216,14 +216,9 @@ class Trainer:
         scaled = self.precision.needs_grad_scaler  # float16
         self.scaler = torch.amp.GradScaler(self.device.type) if scaled else None
         block_size = self.model.config.block_size
+        tokens, mask = self.data.tokens("train"), self.data.mask("train")
         self.sampler = BatchSampler(
-            self.data.tokens("train"),
-            block_size,
-            train.batch_size,
-            cfg.seed,
-            self.dist.rank,
-            world,
-            self.data.mask("train"),
+            tokens, block_size, train.batch_size, cfg.seed, self.dist.rank, world, mask
         )
         if self.device.type == "cuda":  # batches built ahead in pinned memory (data/loader.py)
             self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
@@ -326,14 +321,10 @@ class Trainer:
         block, rank, world = self.model.config.block_size, self.dist.rank, self.dist.world_size
         mask = self.data.mask("val")
         if shown:
-            scored = (
-                ""
-                if mask is None
-                else f" ({eval_tokens(len(tokens), block, mask=mask):,} scored: the assistant's)"
-            )
-            self.progress.message(
-                f"final evaluation: the whole validation split, {len(tokens) - 1:,} tokens{scored}"
-            )
+            what = f"{len(tokens) - 1:,} tokens"
+            if mask is not None:
+                what += f" ({eval_tokens(len(tokens), block, mask=mask):,} scored: the assistant's)"
+            self.progress.message(f"final evaluation: the whole validation split, {what}")
         share = eval_tokens(len(tokens), block, rank, world, mask)  # this rank's, which it counts
         nbytes, batches = self.data.meta["splits"]["val"]["bytes"], self.cfg.train.eval_steps
         with Progress(share, "token", enabled=shown) as progress:
@@ -587,10 +578,8 @@ class Trainer:
         end = eot = tokenizer.eot_token
         prompts = [[eot], [t for t in val[:17].tolist() if t != eot][:16]]
         if mask is not None:  # it ends with <|im_start|>assistant\n; the reply ends at <|im_end|>
-            prompts, end = (
-                [val[: int(mask.argmax())].tolist()],
-                tokenizer.encode_single_token(IM_END),
-            )
+            prompts = [val[: int(mask.argmax())].tolist()]
+            end = tokenizer.encode_single_token(IM_END)
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
         params = SamplingParams()  # sample.py's
         n = self.cfg.train.sample_tokens
@@ -646,10 +635,8 @@ class Trainer:
             if summary["final_eval"] != "whole":
                 split = f"validation subset ({tokens}, train.eval_steps batches)"
             result = f"; {split}: loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}"
-        chat = ["chat=true"] if self.data.chat_template else []  # a conversation, for a chat run
-        sample = shlex.join(
-            ["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}", *chat]
-        )
+        sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
+        sample += " chat=true" if self.data.chat_template else ""  # a conversation, for a chat run
         print(
             f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}{result}\n"
             f"checkpoint: {summary['checkpoint']} (best: {summary['best_checkpoint']})\n"
