@@ -23,19 +23,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import fsdp
-from torch.distributed.checkpoint import state_dict as dcp_state
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from base.errors import ConfigError, DataError
 from data.pipeline import PreparedData
+from hardware.device import is_sharded
 from model import GPT
 
 T = TypeVar("T")
 
-FULL_STATE = dcp_state.StateDictOptions(full_state_dict=True)
-FULL_STATE_ON_RANK0_CPU = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
 # How long ranks wait for work rank 0 does alone (preparing or verifying a dataset, writing a
 # checkpoint: hours for 10B tokens, minutes for gpt2-xl's 18.7 GB on network storage), where
 # parallel.timeout_s (meant for a peer that died or hangs in a collective) would end the job.
@@ -223,6 +219,8 @@ def wrap_model(
                 **NO_BUFFER_BROADCAST,
             )
         return torch.compile(wrapped) if compile else wrapped
+    from torch.distributed import fsdp  # here: importing it costs every script ~1 s of start
+
     mp_policy = fsdp.MixedPrecisionPolicy()  # float32: no casts
     if compute_dtype != torch.float32:
         mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -242,7 +240,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     micro-batch but the last accumulate locally (enabled=False); the last one reduces. `model`:
     what wrap_model returned (a compiled module's wrapper is its `_orig_mod`)."""
     model = getattr(model, "_orig_mod", model)
-    if isinstance(model, fsdp.FSDPModule):
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
         model.set_requires_gradient_sync(enabled)
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
@@ -253,7 +251,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """The total gradient norm before clipping, as a plain tensor (FSDP returns a replicated
     DTensor, computed over all shards)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_sharded(model) else norm
 
 
 def full_model(model: GPT) -> GPT:
@@ -262,9 +260,12 @@ def full_model(model: GPT) -> GPT:
     Unsharded models are returned as they are. Sharded (FSDP) ones are gathered to rank 0's CPU
     (every rank must call this) and placed in a GPT built on the meta device, which allocates
     nothing and is never run; on other ranks it holds no weights."""
-    if not isinstance(model, fsdp.FSDPModule):
+    if not is_sharded(model):
         return model
-    state = dcp_state.get_model_state_dict(model, options=FULL_STATE_ON_RANK0_CPU)
+    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = dcp_state.get_model_state_dict(model, options=options)
     with torch.device("meta"):
         holder = GPT(model.config)
     if state:
@@ -287,9 +288,12 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     """`optimizer.state_dict()`, in full: under FSDP gathered from the shards to rank 0's CPU
     (every rank must call; other ranks get an empty dict) and numbered like a single process's,
     so any world size, or a single process, can resume from it."""
-    if not isinstance(model, fsdp.FSDPModule):
+    if not is_sharded(model):
         return optimizer.state_dict()
-    state = dcp_state.get_optimizer_state_dict(model, optimizer, options=FULL_STATE_ON_RANK0_CPU)
+    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = dcp_state.get_optimizer_state_dict(model, optimizer, options=options)
     number = {name: i for i, name in enumerate(_param_names(model, optimizer))}
     return _rekey(state, number) if state else {}
 
@@ -310,10 +314,13 @@ def load_optimizer_state(
             f"has {ours}: resume with the optim.name the checkpoint was trained with"
         )
     configured = [dict(g) for g in optimizer.param_groups]  # loading keeps each group's params
-    if not isinstance(model, fsdp.FSDPModule):
+    if not is_sharded(model):
         optimizer.load_state_dict(state)
     else:
         by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
-        dcp_state.set_optimizer_state_dict(model, optimizer, by_name, options=FULL_STATE)
+        from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+
+        options = dcp_state.StateDictOptions(full_state_dict=True)
+        dcp_state.set_optimizer_state_dict(model, optimizer, by_name, options=options)
     for group, values in zip(optimizer.param_groups, configured, strict=True):
         group.update(values)

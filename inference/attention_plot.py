@@ -10,15 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tiktoken
 import torch
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
 
 from model import GPT
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAX_LABEL_CHARS = 10
 MAX_TICKS = 40  # beyond this many tokens, label every k-th one
@@ -61,6 +62,10 @@ def plot_attention(
 ) -> Figure:
     """Write S (n_head, T, T) as a grid of heatmaps to `path` (format from its suffix) and
     return the figure. All heads share one 0-to-1 colour scale, so they can be compared."""
+    from matplotlib import colormaps  # here: sample.py and serve.py start ~1 s sooner without
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
     n_head, T, _ = probs.shape
     future = np.triu(np.ones((T, T), dtype=bool), k=1)
     maps = np.ma.masked_array(probs.numpy(), mask=np.broadcast_to(future, probs.shape))
