@@ -69,7 +69,7 @@ def main() -> None:
 COLLECTIVES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather", "barrier")
 HOST_READS = ("__bool__", "item", "tolist")
 OURS = str(ROOT)
-VENV = str(Path(sys.prefix).resolve())
+VENV = (sys.prefix, str(Path(sys.prefix).resolve()))  # a venv may be a symlink
 
 
 def count_syncs(trainer, out: Path) -> None:
