@@ -44,6 +44,12 @@ from trainer.config import RunConfig  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.reporting import METRICS_FILE, read_metrics  # noqa: E402
 
+# Under pytest-xdist (pyproject's `-n auto`) the workers already fill every core: a second torch
+# thread each only waits for a core (tests/model/conftest.py), and test_loop.py + test_generate.py
+# took 349 s with torch's default threads, 184 s on one (2 workers, 2 Zen 3 cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # Text that trips tokenizers: whitespace runs, accents, CJK, emoji, a literal end-of-text.
 TRICKY = [
     "Hello, world!",
