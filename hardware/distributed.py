@@ -251,7 +251,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """The total gradient norm before clipping, as a plain tensor (FSDP returns a replicated
     DTensor, computed over all shards)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if is_sharded(model) else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor: FSDP
 
 
 def full_model(model: GPT) -> GPT:
@@ -262,7 +262,7 @@ def full_model(model: GPT) -> GPT:
     nothing and is never run; on other ranks it holds no weights."""
     if not is_sharded(model):
         return model
-    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only
 
     options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = dcp_state.get_model_state_dict(model, options=options)
@@ -290,7 +290,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     so any world size, or a single process, can resume from it."""
     if not is_sharded(model):
         return optimizer.state_dict()
-    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+    from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only
 
     options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = dcp_state.get_optimizer_state_dict(model, optimizer, options=options)
@@ -318,7 +318,7 @@ def load_optimizer_state(
         optimizer.load_state_dict(state)
     else:
         by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
-        from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only, as `fsdp`
+        from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only
 
         options = dcp_state.StateDictOptions(full_state_dict=True)
         dcp_state.set_optimizer_state_dict(model, optimizer, by_name, options=options)

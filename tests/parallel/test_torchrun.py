@@ -238,7 +238,7 @@ def test_ddp_and_fsdp_train_through_the_triton_kernel_as_through_manual(
     pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux only)")
     run = tmp_path / "run"
     args = [*RUN, *corpus, f"parallel.strategy={strategy}", "model.attention=triton"]
-    args.append("train.final_eval=periodic")  # the interpreter's whole-split pass: 35 s, no weight
+    args.append("train.final_eval=periodic")  # skips a 35 s pass; same weights
     result = torchrun(ROOT / "train.py", *args, f"hydra.run.dir={run}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_checkpoint(run / "checkpoints" / "last").model.config.attention == "triton"
