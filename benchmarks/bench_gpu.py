@@ -41,8 +41,9 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
     """One cell in this process: tokens/s, MFU and peak GPU memory of the training step."""
     import torch
 
+    from base.errors import yaml_config
     from hardware.device import Precision, configure_backends, peak_flops
-    from model import GPT, GPTConfig, load_preset
+    from model import GPT, GPTConfig
     from trainer.config import OptimSettings
     from trainer.optim import build_optimizer
     from trainer.preflight import estimate_memory
@@ -50,7 +51,7 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
     device = torch.device(args.device)
     configure_backends(device)
     precision = Precision(device, getattr(torch, args.dtype))
-    values = {**load_preset(args.preset), "vocab_size": cell["vocab"]}
+    values = {**yaml_config(f"model/{args.preset}.yaml"), "vocab_size": cell["vocab"]}
     values.update(block_size=args.block_size, attention=cell.get("attention", "sdpa"))
     torch.manual_seed(0)
     config = GPTConfig.from_dict(values)

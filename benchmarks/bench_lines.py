@@ -90,7 +90,7 @@ FEATURES = {
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),
     ],
     "architecture options: RoPE, RMSNorm": [
-        ("model/gpt.py", ["RMSNorm", "RotaryTables", "apply_rope"]),
+        ("model/gpt.py", ["RMSNorm", "rope_tables", "apply_rope"]),
     ],
     "chat: template, conversation data, chat in sample.py and serve.py": [
         ("data/chat.py", None),

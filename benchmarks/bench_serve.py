@@ -30,12 +30,12 @@ import harness
 import torch
 from harness import head, row
 
+from base.errors import yaml_config
 from checkpoints.store import save_checkpoint
 from data.tokenizer import get_tokenizer
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
 from model import GPT, GPTConfig
-from model.gpt import load_preset
 
 CLIENTS = (1, 4, 8, 16)
 SERVE_PY = Path(__file__).resolve().parents[1] / "serve.py"
@@ -45,7 +45,7 @@ PARAMS = dict(temperature=0.8, top_k=200)
 
 def mini() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{**load_preset("mini"), "vocab_size": 50257})).eval()
+    return GPT(GPTConfig(**{**yaml_config("model/mini.yaml"), "vocab_size": 50257})).eval()
 
 
 def completion(url: str, i: int, tokens: int) -> tuple[float, int]:

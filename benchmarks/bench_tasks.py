@@ -89,10 +89,10 @@ def make_model(preset: str, out: Path) -> Path:
     import torch
     import transformers
 
+    from base.errors import yaml_config
     from checkpoints.export import export_checkpoint
-    from model.gpt import load_preset
 
-    p = load_preset(preset)
+    p = yaml_config(f"model/{preset}.yaml")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=p["n_layer"], n_head=p["n_head"], n_embd=p["n_embd"],

@@ -111,11 +111,12 @@ def too_big(cell: dict, args: argparse.Namespace) -> str | None:
     """Why the cell is skipped: its estimated peak memory is over 80% of what the device has."""
     import torch
 
+    from base.errors import yaml_config
     from hardware.device import resolve_device
-    from model import GPTConfig, load_preset
+    from model import GPTConfig
     from trainer.preflight import available_memory, estimate_memory
 
-    values = {**load_preset(cell["preset"]), "block_size": args.block_size}
+    values = {**yaml_config(f"model/{cell['preset']}.yaml"), "block_size": args.block_size}
     config = GPTConfig.from_dict({**values, "vocab_size": args.vocab, "attention": cell["impl"]})
     dtype = getattr(torch, cell["dtype"])
     need = estimate_memory(config, args.batch_size, cell["optim"], dtype).total

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from base.errors import CONFIG_DIR, yaml_config  # noqa: E402
 from checkpoints.store import save_checkpoint  # noqa: E402
 from data.pipeline import PreparedData, prepare_data  # noqa: E402
 from data.tokenizer import get_tokenizer, parse_tokenizer, train_bpe  # noqa: E402
@@ -49,6 +50,14 @@ from trainer.reporting import METRICS_FILE, read_metrics  # noqa: E402
 # took 349 s with torch's default threads, 184 s on one (2 workers, 2 Zen 3 cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+PRESETS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))  # nano, mini, gpt2, ...
+
+
+def load_preset(name: str) -> dict:
+    """configs/model/<name>.yaml's values (`vocab_size: null`: the tokenizer's, filled in later)."""
+    return yaml_config(f"model/{name}.yaml")
+
 
 # Text that trips tokenizers: whitespace runs, accents, CJK, emoji, a literal end-of-text.
 TRICKY = [

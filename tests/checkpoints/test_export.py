@@ -12,8 +12,7 @@ from checkpoints.hf import FIELDS, Field, Need, hf_keys
 from checkpoints.store import save_checkpoint
 from data.tokenizer import load_tokenizer
 from model import GPT
-from model.gpt import load_preset
-from tests.conftest import RUN, TEXT, TRICKY, save_tiny_checkpoint, tiny_config
+from tests.conftest import RUN, TEXT, TRICKY, load_preset, save_tiny_checkpoint, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ATTENTION_IMPLS, GPT, GPTConfig, load_preset, preset_names
+from model import ATTENTION_IMPLS, GPT, GPTConfig
 from model.causality import (
     CausalityError,
     assert_causal,
@@ -25,6 +25,7 @@ from model.causality import (
     shrunk_config,
 )
 from model.gpt import MLPS, NORMS, POS_EMBEDDINGS, unavailable_attention
+from tests.conftest import PRESETS, load_preset
 from tests.model.conftest import (
     ARCHITECTURES,
     AXES,
@@ -66,7 +67,7 @@ def with_options(options: str, attention: str, mode: str = "eval") -> GPTConfig:
 
 
 def test_every_preset_is_covered():
-    assert {"nano", "mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(preset_names())
+    assert {"nano", "mini", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"} <= set(PRESETS)
 
 
 def test_every_config_field_is_in_the_option_matrix():
@@ -104,7 +105,7 @@ def causal_in(config: GPTConfig, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
-@pytest.mark.parametrize("preset,attention", matrix(preset_names(), TRITON_PRESETS))
+@pytest.mark.parametrize("preset,attention", matrix(PRESETS, TRITON_PRESETS))
 def test_future_tokens_cannot_change_past_logits(preset, attention, mode):
     causal_in(scaled_preset(preset, attention, mode), mode)
 

@@ -16,10 +16,11 @@ from torch import nn
 
 import check_causality
 from base.errors import ConfigError
-from model import GPT, load_preset
+from model import GPT, gpt
 from model.causality import check_causality as causality_report
 from model.causality import shrunk_config
-from model.gpt import Block, CausalSelfAttention, RotaryTables
+from model.gpt import Block, CausalSelfAttention
+from tests.conftest import load_preset
 from trainer.config import RunConfig
 from trainer.preflight import causality_guard
 
@@ -92,8 +93,8 @@ def _sdpa_without_mask_on_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _rope_restarting_at_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call over the cache rotates its tokens from position 0, not from the cache's end."""
-    forward = RotaryTables.forward
-    monkeypatch.setattr(RotaryTables, "forward", lambda self, pos: forward(self, pos - pos.min()))
+    tables = gpt.rope_tables
+    monkeypatch.setattr(gpt, "rope_tables", lambda pos, *rest: tables(pos - pos.min(), *rest))
 
 
 FUTURE = ("perturbation (eval)", "jacobian (eval)", "kv-cache (eval)")

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 import check_causality
 from checkpoints.store import save_checkpoint
-from model import GPT, preset_names
-from tests.conftest import ROOT, run_script, save_tiny_checkpoint, tiny_config
+from model import GPT
+from tests.conftest import PRESETS, ROOT, run_script, save_tiny_checkpoint, tiny_config
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 
@@ -42,7 +42,7 @@ def test_experiments_are_all_covered():
     assert {"speedrun_cpu", "gpt2_124m_fineweb"} <= set(EXPERIMENTS)
 
 
-@pytest.mark.parametrize("preset", preset_names())
+@pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_is_causal(preset, capsys):
     """Each preset's options and head count at tiny width; 2 layers (depth repeats the same
     code; the experiments below keep theirs)."""

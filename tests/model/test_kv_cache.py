@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from model import ATTENTION_IMPLS, GPT
-from model.gpt import RotaryTables
+from model import ATTENTION_IMPLS, GPT, gpt
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES, random_projections
 
@@ -47,9 +46,9 @@ def test_equivalence_catches_rope_positions_that_restart_with_each_call(monkeypa
     idx = torch.randint(0, 101, (2, 16))
     with torch.no_grad():
         full, _ = model(idx)
-    forward = RotaryTables.forward
-    restart = lambda self, pos: forward(self, pos - pos.min())  # noqa: E731
-    monkeypatch.setattr(RotaryTables, "forward", restart)
+    tables = gpt.rope_tables
+    restart = lambda pos, *rest: tables(pos - pos.min(), *rest)  # noqa: E731
+    monkeypatch.setattr(gpt, "rope_tables", restart)
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], full)
     cached = _cached_logits(model, idx)

@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import GPT
-from model.gpt import RotaryTables, apply_rope
+from model import GPT, gpt
+from model.gpt import apply_rope, rope_tables
 from tests.conftest import tiny_config
 
 
-def _rotated(x: torch.Tensor, position: int, tables: RotaryTables) -> torch.Tensor:
+def _rotated(x: torch.Tensor, position: int, base: float = 10000.0) -> torch.Tensor:
     """x (hs,) rotated as if it stood at `position`."""
-    cos, sin = tables(torch.tensor([position]))
+    cos, sin = rope_tables(torch.tensor([position]), x.numel(), base)
     return apply_rope(x.view(1, 1, 1, -1), cos, sin).view(-1)
 
 
 def test_rotation_preserves_every_pairs_norm():
     torch.manual_seed(0)
-    tables = RotaryTables(head_size=16, block_size=64, base=10000.0)
+    cos, sin = rope_tables(torch.arange(64), head_size=16, base=10000.0)
     x = torch.randn(2, 3, 64, 16, dtype=torch.float64)
-    y = apply_rope(x, tables.cos.double(), tables.sin.double())  # (B, nh, T, hs)
+    y = apply_rope(x, cos.double(), sin.double())  # (B, nh, T, hs)
     assert y.shape == x.shape and y.dtype == x.dtype
     # each pair (x_i, x_{i + hs/2}) is rotated in its own plane: every pair keeps its length
     pair_norms = lambda t: torch.hypot(*t.chunk(2, dim=-1))  # noqa: E731
@@ -33,9 +33,8 @@ def test_rotation_preserves_every_pairs_norm():
 
 def test_rotation_follows_the_formula_of_the_docstring():
     hs, base, p = 8, 100.0, 5
-    tables = RotaryTables(hs, block_size=8, base=base)
     x = torch.arange(1.0, hs + 1)
-    y = _rotated(x, p, tables)
+    y = _rotated(x, p, base)
     for i in range(hs // 2):
         angle = torch.tensor(p * base ** (-2 * i / hs))
         a, b = x[i], x[i + hs // 2]
@@ -47,13 +46,12 @@ def test_rotation_follows_the_formula_of_the_docstring():
 def test_scores_depend_only_on_the_relative_position(m, n, shift):
     """q at position m and k at n score the same as q at m + shift and k at n + shift."""
     torch.manual_seed(0)
-    tables = RotaryTables(head_size=32, block_size=64, base=10000.0)
     q, k = torch.randn(32), torch.randn(32)
-    score = _rotated(q, m, tables) @ _rotated(k, n, tables)
-    shifted = _rotated(q, m + shift, tables) @ _rotated(k, n + shift, tables)
+    score = _rotated(q, m) @ _rotated(k, n)
+    shifted = _rotated(q, m + shift) @ _rotated(k, n + shift)
     torch.testing.assert_close(shifted, score, atol=1e-5, rtol=1e-5)
     # ... and not the same once the distance changes: the positions do reach the score
-    moved = _rotated(q, m, tables) @ _rotated(k, n + 1, tables)
+    moved = _rotated(q, m) @ _rotated(k, n + 1)
     assert not torch.isclose(moved, score, atol=1e-3)
 
 
@@ -65,10 +63,10 @@ def test_a_rope_model_has_no_position_table():
     assert model.num_params(exclude_positions=True) == model.num_params(exclude_positions=False)
     learned = GPT(tiny_config())
     assert learned.num_params(exclude_positions=False) - model.num_params() == 16 * 16  # wpe
-    assert not any("rotary" in key for key in model.state_dict())  # derived, not saved
+    assert all(key.startswith(("transformer.", "lm_head.")) for key in model.state_dict())
 
 
-def test_a_rope_model_sees_the_order_of_its_tokens():
+def test_a_rope_model_sees_the_order_of_its_tokens(monkeypatch):
     """Without wpe, positions enter only through the rotations: swapping two earlier tokens
     must change the last position's logits (it would not for attention without positions)."""
     torch.manual_seed(0)
@@ -78,8 +76,7 @@ def test_a_rope_model_sees_the_order_of_its_tokens():
     swapped[0, [2, 5]] = idx[0, [5, 2]]
     with torch.no_grad():
         assert not torch.allclose(model(idx)[0][0, -1], model(swapped)[0][0, -1], atol=1e-6)
-        model.rotary.cos.fill_(1.0)  # angle 0 everywhere: no positions at all ...
-        model.rotary.sin.zero_()
+        monkeypatch.setattr(gpt, "rope_tables", lambda pos, *_: (1.0, 0.0))  # angle 0: no ...
         torch.testing.assert_close(model(idx)[0][0, -1], model(swapped)[0][0, -1])  # ... blind
 
 
@@ -96,25 +93,34 @@ def test_attention_probs_use_the_rotated_queries_and_keys():
         q, k, _ = attn.c_attn(x).split(16, dim=2)
         q, k = (t.view(2, 16, 2, 8).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
         q, k = attn.q_norm(q), attn.k_norm(k)
-        tables = (model.rotary.cos, model.rotary.sin)  # positions 0..15
+        tables = rope_tables(torch.arange(16), 8, 10000.0)  # positions 0..15
         q, k = apply_rope(q, *tables), apply_rope(k, *tables)
         scores = (q @ k.transpose(-2, -1)) / 8**0.5
         scores = scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(S[0], scores.softmax(-1))
 
 
-def test_tables_stay_float32_in_a_bfloat16_model():
+def test_tables_stay_float32_in_a_bfloat16_model(monkeypatch):
     """sample.py runs `model.to(bfloat16)`: cos and sin must not be rounded to bfloat16 (off by
     up to 2^-9, a rotation that no longer keeps lengths), only the rotated q and k are."""
-    model = GPT(tiny_config(pos_embedding="rope", block_size=1024))
-    exact = RotaryTables(8, 1024, 10000.0)
-    model = model.to(torch.bfloat16)
-    assert model.rotary.cos.dtype == torch.float32
-    torch.testing.assert_close(model.rotary.cos, exact.cos, atol=0, rtol=0)
-    torch.testing.assert_close(model.rotary.sin, exact.sin, atol=0, rtol=0)
+    model = GPT(tiny_config(pos_embedding="rope", block_size=1024)).to(torch.bfloat16)
+    seen = []
+    tables = gpt.rope_tables
+    monkeypatch.setattr(gpt, "rope_tables", lambda *a: seen.append(tables(*a)) or seen[-1])
+    with torch.no_grad():
+        model(torch.zeros(1, 1004, dtype=torch.long))  # positions 0 .. 1003
+    cos, sin = seen[0]
+    assert cos.dtype == sin.dtype == torch.float32
+    angles = torch.arange(1000, 1004, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(0, 8, 2, dtype=torch.float64) / 8
+    )
+    torch.testing.assert_close(cos[0, 1000:].double(), angles.cos(), atol=1e-4, rtol=0)
+    assert (
+        cos[0, 1000:].double() - angles.cos()
+    ).abs().max() < 2**-9 / 4  # not bfloat16's rounding
     assert model.transformer.wte.weight.dtype == torch.bfloat16  # the rest is cast
     x = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
-    assert apply_rope(x, *model.rotary(torch.arange(3, 7))).dtype == torch.bfloat16
+    assert apply_rope(x, cos[:, 1000:], sin[:, 1000:]).dtype == torch.bfloat16
 
 
 def test_a_bfloat16_rope_model_is_within_rounding_of_float32():

@@ -13,8 +13,8 @@ import torch
 
 from base.errors import ConfigError
 from hardware.device import Precision
-from model import GPTConfig, load_preset
-from tests.conftest import ROOT, TINY, compose_run
+from model import GPTConfig
+from tests.conftest import ROOT, TINY, compose_run, load_preset
 from trainer import preflight
 from trainer.preflight import check_memory, estimate_memory
 

@@ -11,8 +11,7 @@ from omegaconf import OmegaConf
 import checkpoints.store
 from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
-from model import load_preset
-from tests.conftest import CONFIGS, TINY, compose_run, make_trainer
+from tests.conftest import CONFIGS, TINY, compose_run, load_preset, make_trainer
 from trainer.config import resumed_config, run_config, saved_config
 from trainer.loop import Trainer
 
