@@ -2,8 +2,9 @@
 the boundary that prints a mistake as one `error:` line with exit code 2 (`user_errors`), and the
 entry scripts' `hydra_main`, which brings Hydra's own errors to that boundary.
 
-Every error the project raises for bad input derives from ValueError (ConfigError and
-DataError here, CheckpointError in checkpoints/store.py), so one handler covers them all.
+Every error the project raises for bad input derives from UserError (ConfigError and DataError
+here, CheckpointError in checkpoints/store.py), so one handler covers them all, and nothing else:
+a ValueError from a bug keeps its traceback.
 
 `check(key, value, ok, rule)` names the key the user typed and what it accepts, `error: <key>
 must be <rule>, got <value>`. Every config object uses it (GPTConfig, the run config, sampling
@@ -33,13 +34,21 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # what every entry
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """A user's mistake, said in one line: what was wrong and how to fix it. `user_errors` prints
+    these (and a path the user named that is missing or not theirs); anything else is a bug."""
+
+
+class ConfigError(UserError):
     """A configuration value that cannot work; the message names the key and what it accepts."""
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A user mistake in the data (bad name, missing file, too little data), said in one line:
     what was wrong and how to fix it."""
+
+
+USER_ERRORS = (UserError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def exit_user_error(message: str) -> NoReturn:
@@ -50,12 +59,12 @@ def exit_user_error(message: str) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A user mistake inside the block exits through `exit_user_error`, without a traceback."""
-    # Bad config, data or checkpoint (the project's errors all derive from ValueError, as
-    # UnicodeDecodeError does), or a file that is missing or cannot be written.
+    """A user mistake inside the block exits through `exit_user_error`, without a traceback:
+    a UserError (bad config, data or checkpoint), or a path the user named that is missing or
+    not theirs. Any other exception is a bug, and its traceback shows."""
     try:
         yield
-    except (ValueError, OSError) as e:
+    except USER_ERRORS as e:
         exit_user_error(str(e) or type(e).__name__)
 
 

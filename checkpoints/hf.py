@@ -122,25 +122,25 @@ HF_SIZES = [  # the keys of GPT-2's integers: a config.json must give positive i
 
 def read_hf_config(file: Path) -> dict[str, Any]:
     """A Hugging Face GPT-2 config.json, every key we read checked (type, range, value) and
-    named in a one-line ValueError. Other keys (labels, token ids, ...) do not affect us."""
+    named in a one-line CheckpointError. Other keys (labels, token ids, ...) do not affect us."""
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{file} is not JSON: {e}") from None
+        raise CheckpointError(f"{file} is not JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{file} is not a JSON object")
+        raise CheckpointError(f"{file} is not a JSON object")
     for key in HF_SIZES:
         value = config.get(key)  # None: absent, or n_inner's "4 * n_embd"
         if value is not None and (type(value) is not int or value <= 0):
-            raise ValueError(f"{file}: {key} must be a positive integer, got {value!r}")
+            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
     if config.get("n_embd") and config.get("n_head") and config["n_embd"] % config["n_head"]:
-        raise ValueError(
+        raise CheckpointError(
             f"{file}: n_head={config['n_head']} does not divide n_embd={config['n_embd']}: each "
             "head gets n_embd / n_head dimensions"
         )
     for key, accepted in HF_FIXED["gpt2"].items():
         if key in config and config[key] not in accepted:
-            raise ValueError(
+            raise CheckpointError(
                 f"{file}: {key}={config[key]!r} is not GPT-2's architecture, which our GPT "
                 f"computes; it needs {key} in {list(accepted)}"
             )
@@ -163,7 +163,7 @@ def load_hf_gpt2(
     """
     for key, value in overrides.items():
         if key in GPT2_ARCHITECTURE and value != GPT2_ARCHITECTURE[key]:
-            raise ValueError(
+            raise CheckpointError(
                 f"model.{key}={value!r} is not GPT-2's architecture: GPT-2 weights need "
                 f"model.{key}={GPT2_ARCHITECTURE[key]!r}"
             )
@@ -177,7 +177,7 @@ def load_hf_gpt2(
             [path / n for n in WEIGHT_FILES if (path / n).is_file()] if path.is_dir() else [path]
         )
         if not files:
-            raise ValueError(f"{path} holds neither {' nor '.join(WEIGHT_FILES)}")
+            raise CheckpointError(f"{path} holds neither {' nor '.join(WEIGHT_FILES)}")
         file = files[0]
         config_file = file.parent / "config.json"
         if config_file.is_file():
@@ -189,7 +189,9 @@ def load_hf_gpt2(
     shapes = {k.removeprefix("transformer."): tuple(v.shape) for k, v in tensors.items()}
     n_head = claims.get("n_head") if n_head is None else n_head
     if n_head is None:
-        raise ValueError("n_head is not in the weights: pass n_head= or a folder with config.json")
+        raise CheckpointError(
+            "n_head is not in the weights: pass n_head= or a folder with config.json"
+        )
     config = _config_from_shapes(shapes, n_head, claims, where, overrides)
     if sd is None:
         sd = load_file(str(file))
@@ -232,19 +234,21 @@ def _config_from_shapes(
     for name, value in shape.items():  # config.json's claims of them: its keys for each field
         for key in hf_keys(name):
             if claims.get(key) is not None and claims[key] != value:
-                raise ValueError(
+                raise CheckpointError(
                     f"{where}: {key}={claims[key]} disagrees with the weights, which give {value}"
                 )
     if claims.get("n_inner") not in (None, 4 * n_embd):
-        raise ValueError(f"{where}: n_inner={claims['n_inner']} is not 4 * n_embd = {4 * n_embd}")
+        raise CheckpointError(
+            f"{where}: n_inner={claims['n_inner']} is not 4 * n_embd = {4 * n_embd}"
+        )
     if shapes.get("lm_head.weight", shapes["wte.weight"]) != shapes["wte.weight"]:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: lm_head.weight has shape {shapes['lm_head.weight']}, "
             f"wte.weight {shapes['wte.weight']}: they must match"
         )
     for key, value in overrides.items():
         if key in shape and value != shape[key]:
-            raise ValueError(
+            raise CheckpointError(
                 f"model.{key}={value!r} does not match the weights, which have "
                 f"model.{key}={shape[key]!r}"
             )
@@ -253,10 +257,10 @@ def _config_from_shapes(
     for key, shape in stored_shapes(config).items():
         hf_key = key.removeprefix("transformer.")
         if hf_key not in shapes:
-            raise ValueError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
+            raise CheckpointError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
         got = shapes[hf_key][::-1] if hf_key.endswith(CONV1D_WEIGHTS) else shapes[hf_key]
         if got != shape:
-            raise ValueError(f"{hf_key}: shape {tuple(got)} != ours {shape}")
+            raise CheckpointError(f"{hf_key}: shape {tuple(got)} != ours {shape}")
     return config
 
 

@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from base.errors import ConfigError
+from base.errors import ConfigError, UserError
 from base.files import recover_swap, sha256_file, writable_error, write_dir_atomic
 from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
@@ -72,13 +72,13 @@ class TensorInfo(NamedTuple):
 
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone.
-    Raises ValueError naming the file if the header is malformed or claims bytes it lacks."""
+    Raises CheckpointError naming the file if the header is malformed or claims bytes it lacks."""
     try:
         with safe_open(str(path), "pt") as f:
             slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
             return {k: TensorInfo(s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
     except SafetensorError as e:
-        raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+        raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
 
 
 def stored_state(model: GPT) -> dict[str, torch.Tensor]:
@@ -99,11 +99,11 @@ def stored_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 def check_config_against_weights(
     config: GPTConfig, tensors: dict[str, TensorInfo], source: str = "the weights"
 ) -> None:
-    """Raise ValueError naming the config key and both values if `config` does not describe
+    """Raise CheckpointError naming the config key and both values if `config` does not describe
     the tensors (as read_safetensors_header returns them, in our checkpoints' layout)."""
     wte = tensors.get("transformer.wte.weight")
     if wte is None or len(wte.shape) != 2:
-        raise ValueError(f"{source} have no token embedding transformer.wte.weight (2-D)")
+        raise CheckpointError(f"{source} have no token embedding transformer.wte.weight (2-D)")
     layers = {int(m[1]) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     wpe = tensors.get("transformer.wpe.weight")
     claims = [
@@ -117,7 +117,7 @@ def check_config_against_weights(
         claims.append(("block_size", config.block_size, wpe.shape[0], "transformer.wpe.weight"))
     for key, claimed, actual, tensor in claims:
         if claimed != actual:
-            raise ValueError(
+            raise CheckpointError(
                 f"model.{key}={claimed!r} disagrees with {source}, which give "
                 f"{key}={actual!r} (from {tensor})"
             )
@@ -125,16 +125,16 @@ def check_config_against_weights(
     for name in sorted(expected.keys() | tensors.keys()):
         keys = next(k for part, k in _KEYS if part in name)
         if name not in tensors:
-            raise ValueError(f"the config's model has {name}, {source} do not (see {keys})")
+            raise CheckpointError(f"the config's model has {name}, {source} do not (see {keys})")
         if name not in expected:
-            raise ValueError(f"{source} hold {name}, the config's model does not (see {keys})")
+            raise CheckpointError(f"{source} hold {name}, the config's model does not (see {keys})")
         if (shape := tensors[name].shape) != expected[name]:
-            raise ValueError(
+            raise CheckpointError(
                 f"{source} give {name} the shape {shape}, the config's model {expected[name]} "
                 f"(see {keys})"
             )
         if (dtype := tensors[name].dtype) not in FLOAT_DTYPES:
-            raise ValueError(
+            raise CheckpointError(
                 f"{source} store {name} as {dtype}; weights are one of {list(FLOAT_DTYPES)}"
             )
 
@@ -150,7 +150,7 @@ _KEYS = (  # (part of a tensor's name, the config keys that decide its existence
 # ----- our checkpoints ---------------------------------------------------------------------------
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or corrupt; the message says which file and why."""
 
 

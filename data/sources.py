@@ -296,8 +296,9 @@ WITHOUT_NETWORK = (
 def load_dataset(
     path: str, subset: str | None, split: str, **kwargs: Any
 ) -> datasets.Dataset | datasets.IterableDataset:
-    """`datasets.load_dataset`, with any failure (offline, unknown repo or split, unreadable
-    file: many exception types) as one DataError line. A hub repository is refused at once
+    """`datasets.load_dataset`, with what it raises for a bad input (offline, unknown repo or
+    split, unreadable file: OSError, ValueError, DatasetsError) as one DataError line; any other
+    exception is a bug and keeps its traceback. A hub repository is refused at once
     when the hub is unreachable (the hub client would retry for half a minute)."""
     import datasets
 
@@ -313,7 +314,7 @@ def load_dataset(
             ) from None
     try:
         return datasets.load_dataset(path, subset, split=split, **kwargs)
-    except Exception as e:
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # what the hub raises
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise DataError(
             f"could not load {path!r} (subset={subset}, split={split}): "

@@ -324,7 +324,7 @@ def get_tokenizer(name: str) -> tiktoken.Encoding:
         )
     try:
         return tiktoken.get_encoding(name)
-    except Exception as e:  # network errors come in many types (requests, urllib3, OSError)
+    except (OSError, ValueError) as e:  # the network's (requests': OSErrors), a name or a hash
         raise DataError(
             f"could not load tiktoken encoding {name!r} ({type(e).__name__}); it needs "
             "network access once, or a populated TIKTOKEN_CACHE_DIR; use tokenizer=gpt2 offline"

@@ -16,6 +16,7 @@ import numpy as np
 import tiktoken
 import torch
 
+from base.errors import ConfigError
 from model import GPT
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def prompt_attention(model: GPT, idx: torch.Tensor, layer: int | None = None) ->
     n_layer = model.config.n_layer
     layer = n_layer - 1 if layer is None else layer
     if isinstance(layer, bool) or not isinstance(layer, int) or not -n_layer <= layer < n_layer:
-        raise ValueError(
+        raise ConfigError(
             f"attention_layer={layer!r} is out of range: the model has {n_layer} layers "
             f"(0 to {n_layer - 1}, or negative to count from the end)"
         )

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from base.errors import check, is_int, user_errors
+from base.errors import ConfigError, check, is_int, user_errors
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within
@@ -34,7 +34,7 @@ def read_prompt(prompt: Any, prompt_file: str | None) -> str:
     if prompt_file is None:
         return "" if prompt is None else str(prompt)
     if prompt:
-        raise ValueError("give either prompt or prompt_file, not both")
+        raise ConfigError("give either prompt or prompt_file, not both")
     return read_utf8(Path(prompt_file).expanduser(), "prompt_file")
 
 
@@ -59,13 +59,13 @@ def read_messages(value: Any) -> list[dict[str, str]] | None:
         try:
             value = json.loads(read_utf8(path, "messages"))
         except ValueError as e:
-            raise ValueError(f"messages: {path} is not JSON ({e})") from None
+            raise ConfigError(f"messages: {path} is not JSON ({e})") from None
         value = value.get("messages") if isinstance(value, dict) else value
     if not isinstance(value, Sequence) or not value:
-        raise ValueError("messages must be a list like 'messages=[{role: user, content: \"Hi\"}]'")
+        raise ConfigError("messages must be a list like 'messages=[{role: user, content: \"Hi\"}]'")
     for i, message in enumerate(value):
         if why := bad_message(dict(message) if isinstance(message, Mapping) else message):
-            raise ValueError(f"messages[{i}] is {why}: each is {{role: ..., content: ...}}")
+            raise ConfigError(f"messages[{i}] is {why}: each is {{role: ..., content: ...}}")
     return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
 
 
@@ -146,7 +146,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or cfg["attention_plot"]):
-        raise ValueError(
+        raise ConfigError(
             "chat=true and messages answer a conversation: drop prompt, prompt_file, "
             "num_samples and attention_plot (they are for continuing text)"
         )
@@ -164,7 +164,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     generator = torch.Generator(device=device).manual_seed(seed)
     if chat:
         if not ckpt.chat_template:
-            raise ValueError(
+            raise ConfigError(
                 f"{ckpt.path} is a base model without a chat template: fine-tune it for chat "
                 f"first (python train.py experiment=chat_sft train.init_from={ckpt.path})"
             )

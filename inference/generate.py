@@ -24,7 +24,7 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from base.errors import check, defaults_from, is_int, is_number, yaml_config
+from base.errors import ConfigError, check, defaults_from, is_int, is_number, yaml_config
 from hardware.device import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
 
@@ -301,7 +301,7 @@ class TextStream:
 
     def __init__(self, tokenizer: tiktoken.Encoding, stop: Sequence[str] = ()):
         if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
+            raise ConfigError("stop strings must be non-empty")
         self._token_bytes = tokenizer.decode_single_token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(stop)

@@ -1,5 +1,6 @@
 """Hydra's own errors (base/errors.py) are one `error:` line and exit code 2 in every entry point,
-and a train.py run that fails before it starts leaves no run directory behind."""
+a train.py run that fails before it starts leaves no run directory behind, and a bug is not a
+user's mistake: its traceback shows."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 
+from base.errors import ConfigError, user_errors
 from tests.conftest import ROOT, run_script
 
 PRESETS = "gpt2, gpt2-large, gpt2-medium, gpt2-xl, mini, nano"
@@ -76,3 +78,43 @@ def test_ctrl_c_before_a_task_handles_it_is_one_line_and_exit_130(tmp_path):
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert (result.returncode, result.stderr) == (130, "interrupted\n")
+
+
+@pytest.mark.parametrize(
+    "error, exits",
+    [
+        (ConfigError("model.n_head must be a positive integer"), True),
+        (FileNotFoundError(2, "No such file or directory", "corpus.txt"), True),
+        (ValueError("a bug: not the user's mistake"), False),  # the project's errors are UserErrors
+        (OSError(28, "No space left on device"), False),
+        (KeyError("a bug"), False),
+    ],
+)
+def test_user_errors_catches_the_users_mistakes_only(error, exits, capsys):
+    if exits:
+        with pytest.raises(SystemExit) as done, user_errors():
+            raise error
+        assert done.value.code == 2
+        assert capsys.readouterr().err.startswith("error: ")
+    else:
+        with pytest.raises(type(error)), user_errors():
+            raise error
+
+
+def test_a_bug_inside_the_trainer_shows_its_traceback(tmp_path):
+    """Negative control for the one-line errors: a ValueError raised by a bug while the Trainer
+    is built is not dressed as a user mistake, and the run directory is still removed."""
+    inject = (
+        "import runpy, sys, trainer.loop as loop\n"
+        "def bug(*args, **kwargs): raise ValueError('injected bug')\n"
+        "loop.Trainer.__init__ = bug\n"
+        f"sys.argv = ['train.py', 'model=nano', 'hydra.run.dir={tmp_path / 'run'}']\n"
+        f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", inject], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" in result.stderr and "ValueError: injected bug" in result.stderr
+    assert "error: injected bug" not in result.stderr
+    assert not (tmp_path / "run").exists()

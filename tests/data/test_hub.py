@@ -131,3 +131,30 @@ def test_an_unreachable_hub_is_one_line_at_once_naming_the_local_recipe(tmp_path
     assert done.stderr.startswith("error: could not load 'roneneldan/TinyStories': the Hugging ")
     assert f"(127.0.0.1:{port}) is unreachable; without the network" in done.stderr
     assert "data.data_files=" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "raised, user_error",
+    [
+        (FileNotFoundError("no such repo"), True),  # what the hub and the file readers raise
+        (ValueError("BuilderConfig 'x' not found"), True),
+        (KeyError("a bug"), False),  # anything else is a bug: it keeps its type and traceback
+        (MemoryError(), False),
+    ],
+)
+def test_only_what_the_hub_raises_becomes_one_line(monkeypatch, raised, user_error):
+    import datasets
+    import tiktoken
+
+    from data import sources
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    monkeypatch.setattr(tiktoken, "get_encoding", fail)
+    expected = DataError if user_error else type(raised)
+    with pytest.raises(expected):
+        sources.load_dataset("json", None, "train", data_files="x.jsonl")
+    with pytest.raises(expected):
+        get_tokenizer("cl100k_base")
