@@ -4,6 +4,7 @@ the progress both show. Downstream tasks are evals/tasks.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -81,8 +82,8 @@ def evaluate(
     """Loss and bits per byte over `tokens`, the encoding of `nbytes` UTF-8 bytes that starts
     with an <|endoftext|> (no bytes: every other token is predicted, and they span the bytes),
     in windows of block_size: by default non-overlapping windows (see
-    `data.iter_eval_batches`) over the whole split, or with max_batches the same evenly spaced
-    subset on every call, so successive periodic evaluations are comparable. With `stride`,
+    `data.loader.iter_eval_batches`) over the whole split, or with max_batches the same evenly
+    spaced subset on every call, so successive periodic evaluations are comparable. With `stride`,
     sliding windows (see `sliding_windows`): more context per token, block_size / stride times
     the compute. Under torchrun (world_size > 1, non-overlapping windows only) each rank scores
     its share of the windows and every rank returns the totals over all ranks. `progress(n)` is
@@ -131,8 +132,11 @@ def evaluate_checkpoint(
     precision = resolve_precision(device, cfg["dtype"])
     source = find_checkpoint(None) if cfg["checkpoint"] is None else cfg["checkpoint"]
     ckpt = load_source(source, device)
-    if ckpt.model.config.attention in unavailable_attention(device):  # triton's kernel, no GPU
-        ckpt = load_source(source, device, attention="sdpa")  # a run-time field: same function
+    if why := unavailable_attention(device).get(ckpt.model.config.attention):  # triton, no GPU
+        say(f"{why.split(';')[0]}; scoring through model.attention=sdpa, the same function")
+        model = GPT(dataclasses.replace(ckpt.model.config, attention="sdpa")).to(device)
+        model.load_state_dict(ckpt.model.state_dict())  # the weights loaded and verified once
+        ckpt.model = model
     tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if "name" in (cfg["task"] or {}) or cfg["tasks"]:  # evals/tasks.py: loaded for tasks alone
         from evals.tasks import requested_tasks, score_tasks

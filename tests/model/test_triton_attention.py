@@ -194,5 +194,11 @@ def test_evaluate_py_scores_a_triton_checkpoint_through_sdpa_where_the_kernel_ca
     cfg |= dict(batch_size=2, stride=None, device="cpu", dtype="float32")
     with_kernel = evaluate_checkpoint(cfg, say=lambda line: None)
     monkeypatch.delenv("TRITON_INTERPRET")
-    through_sdpa = evaluate_checkpoint(cfg, say=lambda line: None)
+    said = []
+    through_sdpa = evaluate_checkpoint(cfg, say=said.append)
     assert through_sdpa["loss"] == pytest.approx(with_kernel["loss"], abs=1e-5)
+    assert said[0] == (  # said once, before the scores
+        "model.attention=triton runs its kernel on a CUDA GPU, not on cpu: use a GPU, or set "
+        "TRITON_INTERPRET=1 to run it (slowly) under Triton's interpreter; scoring through "
+        "model.attention=sdpa, the same function"
+    )
