@@ -168,7 +168,8 @@ def iter_eval_batches(
 
 
 class PrefetchingSampler:
-    """`BatchSampler`'s interface (next_batch, state_dict, load_state_dict), read ahead."""
+    """`BatchSampler`'s interface (next_batch, targets, state_dict, load_state_dict), with the
+    batches read ahead on a thread."""
 
     def __init__(self, sampler: BatchSampler, depth: int = 2, pin_memory: bool = False):
         self.sampler, self.depth, self.pin_memory = sampler, depth, pin_memory

@@ -1,19 +1,16 @@
 """Prepare a dataset once: tokenize, write memory-mapped token files and ``meta.json``; reuse.
 
-Training calls :func:`prepare_data` itself; ``python -m data.prepare`` runs it alone.
-
-Dataset configs: ``configs/data/<name>.yaml`` is the single source of defaults and names.
-
-Prepared-data cache: fingerprinted directories, atomic writes, and the validity check.
-
-A directory is complete only when ``meta.json`` exists, names the expected fingerprint, and
-every file it records is intact: each token file ``<split>.bin`` (and a chat split's assistant
-mask ``<split>.mask.bin``) has exactly the size and the sha256 recorded under
-``splits.<split>``, and a trained tokenizer file (``tokenizer.json``) the size and sha256 under
-``tokenizer_file``. ``meta.json`` is written last, and every file goes
-through a temporary name and an atomic rename (``base.files.atomic_path``), so an interrupted
-preparation never leaves something that passes this check; a file damaged afterwards
-(truncated, overwritten, a flipped bit) fails it with a message naming the file.
+Training calls :func:`prepare_data` itself; ``python -m data.prepare`` runs it alone. A
+dataset's defaults and names are ``configs/data/<name>.yaml``'s alone. The prepared data live in
+fingerprinted directories, written atomically, checked whenever reused: a directory is complete
+only when ``meta.json`` exists, names the expected fingerprint, and every file it records is
+intact: each token file ``<split>.bin`` (and a chat split's assistant mask ``<split>.mask.bin``)
+has exactly the size and the sha256 recorded under ``splits.<split>``, and a trained tokenizer
+file (``tokenizer.json``) the size and sha256 under ``tokenizer_file``. ``meta.json`` is written
+last, and every file goes through a temporary name and an atomic rename
+(``base.files.atomic_path``), so an interrupted preparation never leaves something that passes
+this check; a file damaged afterwards (truncated, overwritten, a flipped bit) fails it with a
+message naming the file.
 :func:`verify_prepared` is that check, the only one: ``prepare_data()`` runs it whenever it
 reuses a directory, and every reader of token files (training, resuming, ``evaluate.py``, each
 torchrun rank) gets them from ``prepare_data()``.

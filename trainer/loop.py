@@ -614,7 +614,9 @@ class Trainer:
             "val_tokens": None if final is None else final.tokens,
             "final_eval": cfg.final_eval,
             "checkpoint": str(last),
-            "best_checkpoint": str(self.checkpoints.dir / "best"),
+            "best_checkpoint": str(best)
+            if (best := self.checkpoints.dir / "best").is_dir()
+            else None,
         }
         if final is not None:
             self._record(final.metrics("final_val"), self.state.step)
@@ -637,9 +639,10 @@ class Trainer:
             result = f"; {split}: loss {summary['val_loss']:.4f}, bpb {summary['val_bpb']:.4f}"
         sample = shlex.join(["python", str(SAMPLE_PY), f"checkpoint={self.run_dir.resolve()}"])
         sample += " chat=true" if self.data.chat_template else ""  # a conversation, for a chat run
+        best = f" (best: {summary['best_checkpoint']})" if summary["best_checkpoint"] else ""
         print(
             f"done: {self.state.step} steps in {format_seconds(self.state.elapsed)}{result}\n"
-            f"checkpoint: {summary['checkpoint']} (best: {summary['best_checkpoint']})\n"
+            f"checkpoint: {summary['checkpoint']}{best}\n"
             f"metrics: {self.metrics.path} (plot: {self.metrics.plot_path})\n"
             f"sample: {sample}"
         )

@@ -233,8 +233,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """optim.name=adamw: torch's AdamW (fused kernel on CUDA). optim.name=muon: Muon for the
     block matrices and AdamW for the rest, in one optimizer (trainer/optim.py). The AdamW groups
-    (group 0: matrices and embeddings, group 1: biases and gains) come first in both, so that
-    param_groups[0]["lr"] is always AdamW's rate."""
+    (`param_groups`: matrices, then biases and gains, then with optim.embed_lr the embeddings)
+    come first in both, so that param_groups[0]["lr"] is always AdamW's rate."""
     groups = param_groups(model, settings)
     if settings.name == "muon":
         return Muon(groups)

@@ -315,9 +315,16 @@ def test_invalid_sampling_params_are_refused_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_boundary_sampling_params_are_accepted():
-    SamplingParams(temperature=0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=0.5)
-    SamplingParams(min_p=1.0)
+def test_boundary_sampling_params_are_accepted_and_draw_their_limit():
+    """The limits the checks accept are valid settings: top_k=1 and min_p=1.0 leave only the
+    most likely token, whatever the draw (top_p=1.0 and min_p=0.0 filter nothing)."""
+    logits, context = torch.tensor([[0.5, 3.0, 1.0, -2.0]]), torch.tensor([[0]])
+    generator = torch.Generator().manual_seed(0)
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=0.5),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ):
+        assert [int(next_token(logits, context, params, generator)) for _ in range(20)] == [1] * 20
 
 
 def test_padded_vocabulary_rows_are_never_drawn_greedy_or_sampled():

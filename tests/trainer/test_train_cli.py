@@ -255,6 +255,9 @@ def test_final_eval_none_skips_it_and_the_printed_sample_command_works_from_anyw
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["val_loss"] is None and summary["final_eval"] == "none"
     assert "no final evaluation" in result.stdout
+    # no evaluation, so no best checkpoint: none is named
+    assert summary["best_checkpoint"] is None and "(best:" not in result.stdout
+    assert not (run_dir / "checkpoints" / "best").exists()
     assert not any("final_val_loss" in line for line in (run_dir / "metrics.jsonl").open())
     (command,) = [line for line in result.stdout.splitlines() if line.startswith("sample: ")]
     elsewhere = tmp_path / "elsewhere"
