@@ -177,19 +177,36 @@ class Batcher:
         newest = torch.cat([job.seq[:, -1:] for job in jobs])  # (rows, 1)
         x = self.decoder.hidden_states(newest, self.cache)
         logits = self.decoder.logits(x[:, -1]).masked_fill(self.padding, float("-inf"))
-        tokens = next_token(  # (rows,): all in one pass, each row with its own job's settings
-            logits,
-            [job.seq for job in jobs],
-            [job.params for job in jobs],
-            [job.generator for job in jobs],
-        )
+        tokens = self._draw(logits, jobs)
         for row, (job, token) in enumerate(zip(jobs, tokens.tolist(), strict=True)):
+            if token < 0:  # its draw failed alone: it ended
+                continue
             try:
                 job.seq = torch.cat([job.seq, tokens[row, None, None]], dim=1)
                 self._emit(job, token, logits[row])
             except Exception:  # this job's own failure (its text, its callback) ends it alone
                 _fail([job])
         return logits
+
+    def _draw(self, logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+        """Each row's next token (rows,), all in one pass, each with its own job's settings;
+        where that raises, row by row (the same tokens: a row's draw is the one it makes alone),
+        and a row that fails alone ends with its own error (token -1): no row fails another."""
+        try:
+            return next_token(
+                logits,
+                [job.seq for job in jobs],
+                [job.params for job in jobs],
+                [job.generator for job in jobs],
+            )
+        except Exception:
+            tokens = torch.full((len(jobs),), -1, device=logits.device)
+            for row, job in enumerate(jobs):
+                try:
+                    tokens[row] = next_token(logits[row, None], job.seq, job.params, job.generator)
+                except Exception:
+                    _fail([job])
+            return tokens
 
     def _fill(self, row: int, job: Job) -> None:
         """Put the job's window but its newest token in its row, when the window is new (the

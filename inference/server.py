@@ -232,10 +232,12 @@ class Server:
         if not prompts or not all(stop):
             param = "stop" if prompts else "prompt"
             raise ApiError(400, f"{param} must not be empty", param)
+        # Settings as the model can use them, whatever their neighbours in the batch: a top_k
+        # past the vocabulary keeps all of it (and stays an int64 in the batch's column); the
+        # other fields are bounded by the schema and the limits above
+        top_k = None if req.top_k is None else min(req.top_k, self.tokenizer.n_vocab)
         top_p = None if req.top_p == 1 else req.top_p
-        params = SamplingParams(
-            req.temperature, req.top_k, top_p, req.min_p, req.repetition_penalty
-        )
+        params = SamplingParams(req.temperature, top_k, top_p, req.min_p, req.repetition_penalty)
         seed = secrets.randbits(62) if req.seed is None else req.seed
         ids, jobs = [self.encode(p) for p in prompts], []
         for i in range(len(prompts) * req.n):  # each choice: its own generator and text

@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from data.tokenizer import get_tokenizer
+from inference import batching
 from inference.batching import Batcher, Job, RaggedKVCache
-from inference.generate import SamplingParams, TextStream, TokenContext, stream_tokens
+from inference.generate import SamplingParams, TextStream, TokenContext, next_token, stream_tokens
 from model import GPT, GPTConfig
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES, random_projections
@@ -143,6 +147,70 @@ def test_a_failing_forward_ends_its_jobs_and_the_worker_serves_on(model, monkeyp
     assert reasons[0] == reasons[1] == ["error"]
     assert batcher.submit([later])
     assert ended[2].wait(120) and reasons[2] == ["length"] and len(later.tokens) == later.max_tokens
+
+
+EXTREMES = dict(  # every setting in range, at its edges and past them (top_k past int64)
+    temperature=st.one_of(st.floats(0, 2), st.sampled_from([1e-320, 1e-40, 1e6])),
+    top_k=st.one_of(
+        st.none(), st.integers(1, 60_000), st.sampled_from([50257, 2**63 - 1, 2**63, 2**80])
+    ),
+    top_p=st.one_of(st.none(), st.floats(0, 1, exclude_min=True), st.just(1e-46)),
+    min_p=st.one_of(st.none(), st.floats(0, 1)),
+    repetition_penalty=st.one_of(st.floats(1e-3, 10), st.sampled_from([1e-320, 1e-40, 1e300])),
+)
+NEIGHBOUR = st.tuples(  # (settings, seed, whether its draw raises: a bug, simulated)
+    st.builds(SamplingParams, **EXTREMES), st.integers(0, 2**64 - 1), st.booleans()
+)
+
+
+@pytest.fixture(scope="module")
+def small_model() -> GPT:
+    """A 512-token vocabulary (GPT-2's first ids): many draws a second on a busy CPU."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=512, block_size=16, n_layer=1, n_head=1, n_embd=8)).eval()
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(st.lists(NEIGHBOUR, min_size=1, max_size=3))
+def test_no_row_fails_another(small_model, neighbours):
+    """Beside up to three rows with any settings, and rows whose draw raises: the innocent job
+    gets every token it draws alone; a row whose draw raises ends alone with "error", every
+    other with its tokens. A batch whose one-pass draw fails (a top_k past int64 beside another
+    top_k) draws row by row."""
+    tokenizer, innocent = get_tokenizer("gpt2"), SamplingParams(temperature=0.9, top_k=50)
+    rows = [(innocent, 1, False), *neighbours]
+    jobs, reasons, _ = _watched(
+        [
+            Job(
+                [1, 2, 3],
+                params,
+                8,
+                torch.Generator().manual_seed(seed),
+                TextStream(tokenizer),
+                emit=lambda *args: None,
+            )
+            for params, seed, _ in rows
+        ],  # fmt: skip
+        broken=set(),
+    )
+    raising = {id(job.params) for job, (*_, raises) in zip(jobs, rows, strict=True) if raises}
+
+    def draw(logits, context, params, generator):
+        if raising & {id(p) for p in (params if isinstance(params, list) else [params])}:
+            raise RuntimeError("a bug in one row's draw")
+        return next_token(logits, context, params, generator)
+
+    batcher = Batcher(small_model, eot=50256, vocab_size=512, max_batch=4, max_waiting=0)
+    assert batcher.submit(jobs)
+    with mock.patch.object(batching, "next_token", draw):
+        while batcher.step() is not None:
+            pass
+    ids, generator = torch.tensor([[1, 2, 3]]), torch.Generator().manual_seed(1)
+    alone = [int(t) for t in stream_tokens(small_model, ids, 8, innocent, generator)]
+    assert jobs[0].tokens == alone and reasons[0] == ["length"]
+    for job, (*_, raises), ended in zip(jobs, rows, reasons.values(), strict=True):
+        assert ended == ["error"] if raises else ended in (["stop"], ["length"]), ended
+        assert raises or len(job.tokens) <= 8
 
 
 @pytest.mark.parametrize("options", ["gpt2", "pos_embedding=rope", "all"])

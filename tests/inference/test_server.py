@@ -14,13 +14,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+import hypothesis
 import openai
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from data.tokenizer import get_tokenizer
 from inference.cli import run
-from inference.server import Server
+from inference.generate import next_token
+from inference.server import ApiError, CompletionRequest, Server
 from model import GPT, GPTConfig
 from tests.inference.conftest import JSON, SERVE_PY, request, wait_until_idle
 
@@ -359,14 +362,20 @@ def test_a_413_and_unfinished_headers_close_the_connection(server):
         assert sock.recv(1) == b""  # closed by the server; a timeout (60 s) fails the test
 
 
+def small_server(**limits) -> Server:
+    """A Server of a one-layer GPT-2-vocabulary model in this process, its batcher not started;
+    `limits` over small ones."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    values = dict(max_batch=4, max_queue=4, max_tokens=300, max_n=4, max_body_bytes=10_000)
+    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None) | limits
+    return Server(model.eval(), get_tokenizer("gpt2"), "m", values, hosts=None)
+
+
 def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in_process):
     """One view runs at a time (here held at an exact point); past max_queue waiting, a 429
     with Retry-After; a waiting view whose client hangs up leaves the queue and never runs."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
-    limits = dict(max_batch=1, max_queue=1, max_tokens=8, max_n=1, max_body_bytes=10_000)
-    limits |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None)
-    server = Server(model.eval(), get_tokenizer("gpt2"), "m", limits, hosts=None)
+    server = small_server(max_batch=1, max_queue=1, max_tokens=8, max_n=1)
     entered, release, shown = threading.Event(), threading.Event(), []
 
     def held_view(req):  # the view, stopped where it starts until the test releases it
@@ -399,3 +408,88 @@ def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in
         assert first.result()[:3:2] == (200, {"text": "a"})
     assert request(url, "POST", "/api/attention", {"text": "d"})[2] == {"text": "d"}
     assert shown == ["a", "d"]  # "b" never ran, "c" was refused
+
+
+SAMPLING_FIELDS = st.fixed_dictionaries(  # each valid field in range or at its extremes
+    {},
+    optional=dict(
+        temperature=st.one_of(st.floats(0, 2), st.sampled_from([1e-320, 1e-40])),
+        top_k=st.one_of(st.integers(1, 60_000), st.sampled_from([2**63 - 1, 2**63, 2**80])),
+        top_p=st.one_of(st.floats(0, 1, exclude_min=True), st.just(1e-46)),
+        min_p=st.one_of(st.floats(0, 1), st.just(1e-46)),
+        repetition_penalty=st.one_of(st.floats(1e-3, 10), st.sampled_from([1e-320, 1e-40, 1e300])),
+        seed=st.one_of(st.integers(0, 2**63), st.just(2**63)),
+        n=st.integers(1, 4),
+        stop=st.lists(st.text(max_size=3), max_size=5),  # "" or 5 strings: a 400
+        logprobs=st.integers(0, 5),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def admitting() -> Server:
+    return small_server()
+
+
+@hypothesis.settings(max_examples=30, deadline=None, database=None)
+@hypothesis.given(st.lists(SAMPLING_FIELDS, min_size=1, max_size=3))
+def test_admitted_settings_draw_together_as_alone(admitting, requests):
+    """Requests with random mixes of every sampling field, in range and extreme, beside an
+    innocent one ({}: the defaults): each is a 400 (its stop strings) or its completions join
+    one batched draw that cannot overflow (a top_k of 2**63 is clamped to the vocabulary), in
+    which every row draws the token it draws alone, and its logprobs follow."""
+    jobs, tops = [], []
+    for fields in [{}, *requests]:
+        try:
+            req = CompletionRequest.model_validate({"prompt": "x", **fields})
+            admitted = admitting.jobs(req, [req.prompt], emit=None)
+        except ApiError:  # answered 400
+            continue
+        jobs += admitted
+        tops += [req.logprobs] * len(admitted)
+    logits = torch.randn(len(jobs), 50257, generator=torch.Generator().manual_seed(0))
+    contexts = [torch.tensor([job.ids]) for job in jobs]
+    states = [job.generator.get_state() for job in jobs]
+    together = next_token(
+        logits, contexts, [job.params for job in jobs], [job.generator for job in jobs]
+    )
+    for row, (job, state, top) in enumerate(zip(jobs, states, tops, strict=True)):
+        generator = torch.Generator().set_state(state)
+        alone = int(next_token(logits[row, None], contexts[row], job.params, generator)[0])
+        assert together[row] == alone
+        if top is not None:
+            assert len(admitting.logprobs(alone, logits[row], top, False)["tokens"]) == 1
+
+
+def test_a_huge_top_k_beside_a_stream_spares_it(serve_in_process):
+    """Issue 50's repro: a stream in flight, then {"top_k": 2**63} (another top_k than the
+    stream's, in one batch): the stream ends with all its tokens and [DONE], the other request
+    with its 5. The stream's second step waits until the other is queued: they decode together."""
+    server, queued = small_server(), threading.Event()
+    submit, step = server.batcher.submit, server.batcher.step
+
+    def submit_and_tell(jobs: list) -> bool:
+        accepted = submit(jobs)
+        queued.set() if jobs[0].params.top_k else None  # the huge top_k's (the stream: none)
+        return accepted
+
+    def step_together():
+        if server.batcher.active:  # the stream drew a token: the other is queued before more
+            assert queued.wait(60)
+        return step()
+
+    server.batcher.submit, server.batcher.step = submit_and_tell, step_together
+    server.batcher.start()
+    url = serve_in_process(server)
+    connection = http.client.HTTPConnection(urlsplit(url).netloc, timeout=120)
+    body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
+    response = connection.getresponse()
+    events = [response.readline()]
+    huge = {"prompt": "x", "max_tokens": 5, "top_k": 2**63}
+    status, _, answer = request(url, "POST", "/v1/completions", huge)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 5
+    events += [line for line in response if line.startswith(b"data: ")]
+    connection.close()
+    assert events[-1] == b"data: [DONE]\n" and len(events) == 200 + 1
+    assert b'"finish_reason": "length"' in events[-2] and b"error" not in b"".join(events)
