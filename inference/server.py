@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import json
 import os
+import re
 import secrets
 import socket
 import sys
@@ -56,6 +57,7 @@ from model import GPT
 PAGE = Path(__file__).with_name("page.html")
 KEY_VARIABLE = "CAUSALGPT_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
 
 
 class ApiError(Exception):
@@ -189,6 +191,15 @@ class Server:
             raise ApiError(400, f"the body is not JSON: {str(e)[:80]}") from None
         if not isinstance(fields, dict):
             raise ApiError(400, f"the body must be a JSON object, not {type(fields).__name__}")
+        if SURROGATE.search(body):  # a string may hold half a pair, which no UTF-8 can encode
+            try:
+                json.dumps(fields, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise ApiError(
+                    400,
+                    "the body's text has a lone surrogate (a \\uD800-\\uDFFF escape without its "
+                    "pair), which is no Unicode character: send valid Unicode",
+                ) from None
         try:
             return kind.model_validate(fields)
         except ValidationError as e:

@@ -187,6 +187,16 @@ def test_a_bad_request_gets_openais_error_shape(server, body, status, param, say
     assert complete(server, prompt="Hi", max_tokens=1).choices  # still serving
 
 
+def test_a_lone_surrogate_is_a_400_and_a_pair_is_text(server):
+    """Issue 50 item 4: "\\ud800" (as json.dumps escapes it) echoed was a 500; a pair, as it
+    escapes an emoji, is that emoji."""
+    fields = {"max_tokens": 2, "echo": True}
+    status, _, answer = request(server, "POST", "/v1/completions", {"prompt": "\ud800", **fields})
+    assert status == 400 and "lone surrogate" in answer["error"]["message"]
+    status, _, answer = request(server, "POST", "/v1/completions", {"prompt": "🎭", **fields})
+    assert status == 200 and answer["choices"][0]["text"].startswith("🎭")
+
+
 def test_the_openai_client_sees_a_bad_request_as_one(server):
     with pytest.raises(openai.BadRequestError) as raised:
         complete(server, prompt="Hi", max_tokens=0)
