@@ -120,7 +120,7 @@ class AttentionRequest(Strict):
     """A text, or a conversation (a chat model's) in the chat template: one of the two."""
 
     text: str | None = None
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
 
 
 class CausalityRequest(Strict):

@@ -154,7 +154,8 @@ def test_the_terminal_conversation_keeps_its_history(chat_run, tmp_path):
 
 def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
     """/api/attention with messages: the template's ids, the newest page_tokens of them, and
-    where each turn starts; text and messages together, or messages to a base model: 400."""
+    where each turn starts; text and messages together, no messages, or messages to a base
+    model: 400."""
     url = serve_url(serve_in_process, chat_run)
     status, _, view = request(url, "POST", "/api/attention", {"messages": MESSAGES})
     ids = render(MESSAGES, load_source(chat_run).tokenizer(), generation_prompt=False)[0]
@@ -167,6 +168,9 @@ def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
     assert view["ids"] == ids[-128:] and view["truncated"]  # the newest reply kept
     both = {"messages": MESSAGES, "text": "hi"}
     assert request(url, "POST", "/api/attention", both)[0] == 400
+    status, _, body = request(url, "POST", "/api/attention", {"messages": []})  # was a 500
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert "at least 1 item" in body["error"]["message"]
     base = tmp_path / "base"
     model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
     save_checkpoint(base / "checkpoints" / "best", model, {"data": {"tokenizer": "gpt2"}}, {})
