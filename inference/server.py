@@ -296,6 +296,9 @@ class Server:
                 "messages",
             )
         req = await self.parse(request, ChatRequest)
+        if req.top_logprobs is not None and not req.logprobs:  # OpenAI's 400 too
+            message = "top_logprobs needs logprobs: true (set it, or drop top_logprobs)"
+            raise ApiError(400, message, "top_logprobs")
         return await self.answer(request, req, [req.messages])
 
     async def answer(self, request: Request, req: CompletionRequest | ChatRequest, prompts: list):

@@ -112,6 +112,9 @@ def test_choices_seeds_and_logprobs(serve_in_process, chat_run):
         assert "".join(e.token for e in entries) == choice.message.content
         assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
     assert again.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="needs logprobs: true") as raised:
+        client.chat.completions.create(**fields, top_logprobs=2)  # without logprobs: OpenAI's 400
+    assert raised.value.body["param"] == "top_logprobs"
 
 
 def test_a_reply_ends_at_the_end_of_turn(serve_in_process, tmp_path):
