@@ -39,7 +39,7 @@ import torch
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from tiktoken import Encoding
@@ -102,8 +102,31 @@ class CompletionRequest(Sampling):
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
+    """A turn; OpenAI's newer forms too: role "developer" (system's new name) is system, and
+    content as a list of text parts is their text, joined."""
+
+    role: Literal["system", "developer", "user", "assistant"]
     content: str
+
+    @field_validator("role")
+    @classmethod
+    def developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            if not all(
+                isinstance(part, dict)
+                and part.keys() == {"type", "text"}
+                and part["type"] == "text"
+                and isinstance(part["text"], str)
+                for part in content
+            ):
+                raise ValueError('only text is supported: parts {"type": "text", "text": "..."}')
+            content = "".join(part["text"] for part in content)
+        return content
 
 
 class ChatRequest(Sampling):
@@ -112,6 +135,7 @@ class ChatRequest(Sampling):
 
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # max_tokens' newer name
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=5)
 
@@ -299,6 +323,10 @@ class Server:
         if req.top_logprobs is not None and not req.logprobs:  # OpenAI's 400 too
             message = "top_logprobs needs logprobs: true (set it, or drop top_logprobs)"
             raise ApiError(400, message, "top_logprobs")
+        if len({req.max_tokens, req.max_completion_tokens} - {None}) > 1:
+            message = "max_tokens and max_completion_tokens (its newer name) differ: give one"
+            raise ApiError(400, message, "max_completion_tokens")
+        req.max_tokens = req.max_tokens or req.max_completion_tokens
         return await self.answer(request, req, [req.messages])
 
     async def answer(self, request: Request, req: CompletionRequest | ChatRequest, prompts: list):

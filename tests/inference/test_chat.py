@@ -117,6 +117,34 @@ def test_choices_seeds_and_logprobs(serve_in_process, chat_run):
     assert raised.value.body["param"] == "top_logprobs"
 
 
+def test_todays_openai_fields(serve_in_process, chat_run):
+    """Issue 50 item 8, from the openai client: max_completion_tokens, content as text parts and
+    a developer message get the reply to the same conversation in the older form; other parts,
+    or two different token limits, are 400s that say so."""
+    client = serve(serve_in_process, chat_run)
+    older = client.chat.completions.create(
+        model="chat", messages=MESSAGES, temperature=0, max_tokens=6
+    )
+    system, user, *rest = MESSAGES
+    parts = [{"type": "text", "text": "Hail to your "}, {"type": "text", "text": "lordship!"}]
+    newer = client.chat.completions.create(
+        model="chat",
+        messages=[{**system, "role": "developer"}, {**user, "content": parts}, *rest],
+        temperature=0,
+        max_completion_tokens=6,
+    )
+    assert newer.choices[0].message.content == older.choices[0].message.content
+    assert newer.usage == older.usage and newer.usage.completion_tokens == 6
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+    with pytest.raises(openai.BadRequestError, match="only text is supported"):
+        client.chat.completions.create(model="chat", messages=[{**user, "content": image}])
+    with pytest.raises(openai.BadRequestError, match="differ: give one") as raised:
+        client.chat.completions.create(
+            model="chat", messages=MESSAGES, max_tokens=5, max_completion_tokens=6
+        )
+    assert raised.value.body["param"] == "max_completion_tokens"
+
+
 def test_a_reply_ends_at_the_end_of_turn(serve_in_process, tmp_path):
     run = save_chat_model(tmp_path / "run", ends_at_once=True)
     answer = serve(serve_in_process, run).chat.completions.create(
