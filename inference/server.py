@@ -215,6 +215,11 @@ class Server:
             raise ApiError(400, f"the body is not JSON: {str(e)[:80]}") from None
         if not isinstance(fields, dict):
             raise ApiError(400, f"the body must be a JSON object, not {type(fields).__name__}")
+        messages, most = fields.get("messages"), self.limits["max_prompt_tokens"]
+        if isinstance(messages, list) and len(messages) > most:  # before the slow validation:
+            # each message is a token at least
+            message = f"{len(messages)} messages, over the {most} tokens of a prompt: send fewer"
+            raise ApiError(400, message, "messages")
         if SURROGATE.search(body):  # a string may hold half a pair, which no UTF-8 can encode
             try:
                 json.dumps(fields, ensure_ascii=False).encode()

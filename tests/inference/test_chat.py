@@ -211,6 +211,21 @@ def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
     assert status == 400 and "without a chat template" in body["error"]["message"]
 
 
+def test_more_messages_than_prompt_tokens_are_refused_before_validation(serve_in_process, chat_run):
+    """Issue 50 item 2: 30,000 empty messages were validated and rendered on the event loop
+    before the 400; more messages than max_prompt_tokens (each is a token at least) are refused
+    on their count, on both routes that take messages."""
+    url, empty = serve_url(serve_in_process, chat_run), {"role": "user", "content": ""}
+    for path in ("/v1/chat/completions", "/api/attention"):
+        status, _, body = request(url, "POST", path, {"messages": [empty] * 129})
+        assert status == 400 and body["error"]["param"] == "messages"
+        assert (
+            body["error"]["message"] == "129 messages, over the 128 tokens of a prompt: send fewer"
+        )
+    status, _, _ = request(url, "POST", "/api/attention", {"messages": [empty] * 128})
+    assert status == 200
+
+
 def test_a_stop_string_ends_a_reply(serve_in_process, chat_run):
     client = serve(serve_in_process, chat_run)
     fields = dict(model="chat", messages=MESSAGES, temperature=0, max_tokens=12)
