@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from base.errors import ConfigError
+from base.errors import ConfigError, UserError
 from hardware.device import Precision
 from model import GPT, GPTConfig
 from model.causality import check_causality, shrunk_config
@@ -247,7 +247,7 @@ def check_memory(
 LOCK_FILE = ".run.lock"
 
 
-class RunDirLocked(ValueError):
+class RunDirLocked(UserError):
     """The run directory belongs to a running process (the message names its pid and host)."""
 
 
