@@ -20,15 +20,16 @@ def main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir, overrides = hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task)
-    with user_errors():
-        settings, resolved = run_config(cfg, run_dir, overrides)
-        # Nothing has been written to the run dir yet (Hydra made it, if it was missing): take
-        # the lock on it now. The Trainer repairs, checks and resumes what is there.
-        owner = DistInfo.from_env().is_main  # one owner per run dir: rank 0, for the whole job
+    owner = DistInfo.from_env().is_main  # one owner per run dir: rank 0, for the whole job
+    # A mistake in the config or the data is one `error:` line, and removes the run dir Hydra
+    # made for it; a bug shows its traceback (and removes it too).
+    with user_errors(), removed_if_failed(owner):
+        settings, resolved = run_config(cfg, run_dir, overrides)  # validated, once
+        # Nothing has been written to the run dir yet: take the lock on it now. The Trainer
+        # repairs, checks and resumes what is there.
         if owner:
             acquire_run_lock(run_dir)
-        with removed_if_failed(owner):
-            trainer = Trainer(settings, run_dir, resolved)
+        trainer = Trainer(settings, run_dir, resolved)
     if trainer.dist.is_main:  # only now: a failed or refused attempt leaves a run's files alone
         continues = settings.train.resume == "auto"
         write_run_files(run_dir, resolved, overrides, hydra_cfg, continues)

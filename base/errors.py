@@ -181,8 +181,6 @@ def validate(settings: Any, prefix: str = "") -> None:
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], None]]:
     """`@hydra.main(config_path="configs", config_name=...)` for the scripts in the repository
     root; `-m`, `--cfg`, `--help` and every other Hydra flag work as with hydra.main."""
-    from unittest import mock  # here, with Hydra: what the entry points alone need
-
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -201,18 +199,17 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
 
         @functools.wraps(task)
         def main() -> None:
-            # Hydra re-raises its errors instead of printing them (its documented
-            # HYDRA_FULL_ERROR); patch.dict puts the environment back afterwards.
-            with mock.patch.dict(os.environ, HYDRA_FULL_ERROR="1"):
-                try:
-                    run()
-                except (HydraException, OmegaConfBaseException, ValueError) as e:
-                    if e in raised_by_task:  # the task's own: a bug, its traceback shows
-                        raise
-                    exit_user_error(describe(e))
-                except KeyboardInterrupt:  # Ctrl-C before the task's own handling of it
-                    print("interrupted", file=sys.stderr)
-                    sys.exit(130)
+            # Hydra re-raises its errors instead of printing them (its documented switch).
+            os.environ["HYDRA_FULL_ERROR"] = "1"
+            try:
+                run()
+            except (HydraException, OmegaConfBaseException, ValueError) as e:
+                if e in raised_by_task:  # the task's own: a bug, its traceback shows
+                    raise
+                exit_user_error(describe(e))
+            except KeyboardInterrupt:  # Ctrl-C before the task's own handling of it
+                print("interrupted", file=sys.stderr)
+                sys.exit(130)
 
         return main
 

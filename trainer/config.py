@@ -38,7 +38,6 @@ from base.errors import (
     positive,
     positive_int,
     setting,
-    user_errors,
     validate,
     yaml_config,
 )
@@ -274,7 +273,8 @@ HYDRA_DIR = ".hydra"
 RESUMABLE = resumable_keys()  # what a resumed run may change (the declarations above)
 _UNSET = object()
 # The topmost directory Hydra is about to create for this run (ValidateBeforeRunDir saw it
-# missing): what `removed_if_failed` removes. Empty when the run dir existed, and in a sweep.
+# missing): what `removed_if_failed` removes. Empty when the run dir existed, and in a sweep
+# (whose jobs' configs are validated before the first starts).
 _made_for_run: list[Path] = []
 
 
@@ -427,15 +427,13 @@ def write_run_files(
 
 
 class ValidateBeforeRunDir(Callback):
-    """Hydra callback (configs/train.yaml): a bad config is one `error:` line and exit code 2
-    before Hydra creates the run directory, so failed attempts leave nothing behind; and a
-    run directory that cannot be written is one line too, long before the first checkpoint.
-    A sweep (`-m`) validates every job's config before the first starts, naming the job."""
+    """Hydra callback (configs/train.yaml), before Hydra creates the run directory: one that
+    cannot be written is one `error:` line, long before the first checkpoint, and the
+    directories Hydra is about to make are noted, for `removed_if_failed` to remove should the
+    run fail before it starts (train.py validates its config there). A sweep (`-m`) validates
+    every job's config before the first starts, naming the job."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
-        with user_errors():
-            run_config(task, config.hydra.run.dir, list(config.hydra.overrides.task))
         run_dir = Path(config.hydra.run.dir).absolute()
         _made_for_run[:] = [d for d in (run_dir, *run_dir.parents) if not d.exists()][-1:]
         _check_writable(config.hydra.run.dir, "hydra.run.dir")
@@ -453,10 +451,10 @@ class ValidateBeforeRunDir(Callback):
 
 @contextlib.contextmanager
 def removed_if_failed(owner: bool) -> Iterator[None]:
-    """A run that fails before it starts (its data: a missing, empty or binary file; its memory)
-    leaves no run directory: on an error in the block, the process holding the run's lock
-    (`owner`) removes the directories Hydra made for it. A directory that existed before (a
-    resume) is left as it was."""
+    """A run that fails before it starts (its config; its data: a missing, empty or binary
+    file; its memory) leaves no run directory: on an error in the block, the process holding
+    the run's lock (`owner`) removes the directories Hydra made for it. A directory that
+    existed before (a resume) is left as it was."""
     try:
         yield
     except BaseException:
