@@ -26,12 +26,18 @@ import torch
 
 from base.errors import ConfigError
 from base.progress import Progress
-from checkpoints.store import pretrained_model
+from checkpoints.store import Checkpoint, pretrained_model
 from data.chat import IM_END
 from data.loader import BatchSampler, PrefetchingSampler, eval_tokens
 from data.pipeline import prepare_data
 from evals.loss import EvalResult, evaluate
-from hardware.device import configure_backends, peak_flops, resolve_device, resolve_precision
+from hardware.device import (
+    Precision,
+    configure_backends,
+    peak_flops,
+    resolve_device,
+    resolve_precision,
+)
 from hardware.distributed import (
     DistInfo,
     all_reduce_max,
@@ -153,61 +159,35 @@ class Budget:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resolved_config: dict[str, Any]):
-        self.cfg = cfg
-        self.budget = Budget(cfg.train.max_steps, cfg.train.max_seconds)
+        self.cfg, train = cfg, cfg.train
+        self.budget = Budget(train.max_steps, train.max_seconds)
         # The same seed on every rank: identical initial weights (FSDP shards each rank's copy)
         # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
         # rank 0's RNG state, saved in checkpoints, is every rank's.
         torch.manual_seed(cfg.seed)
-
         self.dist = DistInfo.from_env()
-        world, train = self.dist.world_size, cfg.train
         sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
-        if sharded and cfg.optim.name == "muon":
-            raise ConfigError(
-                "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
-                "matrices); use parallel.strategy=ddp"
-            )
-        # 1. The machine.
-        device = resolve_device(cfg.device)
-        self.device = init_distributed(self.dist, device, cfg.parallel.timeout_s)
-        self.precision = resolve_precision(self.device, cfg.dtype)
-        if sharded and self.precision.needs_grad_scaler:
-            raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
-        configure_backends(self.device)
+        self.device, self.precision = self._machine(sharded)
         self.run_dir = Path(from_main(str(run_dir)))
-        self.progress = Progress(cfg.train.max_steps, "step", enabled=self.dist.is_main)
-        # 2. The data (rank 0 alone verifies every byte), so that its mistakes are reported
-        # first; then the model it sizes, proved causal (_new_model).
+        self.progress = Progress(train.max_steps, "step", enabled=self.dist.is_main)
+        # The data first (rank 0 alone verifies every byte), so that its mistakes are reported
+        # first; then the model it sizes, proved causal, and the tasks scored at evaluations.
         self.data = run_on_main(lambda: prepare_data(cfg.data))
         check_visible(self.data)
         self.model = self._new_model(self.dist.world_size if sharded else 1)
-        self.tasks = []  # scored at each evaluation: the first eval_task_items of each
-        if train.eval_tasks:
-            from evals.tasks import load_task, task_config  # loaded for tasks alone
-
-            with main_first():  # rank 0 downloads a hub task once; the others read its cache
-                tokenizer, block_size = self.data.tokenizer(), self.model.config.block_size
-                for name in train.eval_tasks:
-                    task = {**task_config(name), "limit": train.eval_task_items}
-                    self.tasks.append(load_task(task, tokenizer, block_size))
-        # 3. A resumed run's weights, before FSDP shards the model; then the parallel wrapper
-        # and the optimizer over the (sharded) parameters.
+        self.tasks = self._tasks()
+        # A resumed run's weights, before FSDP shards the model; then the parallel wrapper and
+        # the optimizer over the (sharded) parameters. Two handles on one model: `model`, the
+        # plain one (evaluation, checkpoints, clipping), and `step_model`, what training steps
+        # run through (DDP-wrapped or FSDP-sharded, compiled with compile=true).
         self.checkpoints = CheckpointManager(
-            self.run_dir,
-            resolved_config,
-            self.data,
-            train.keep_checkpoints,
-            self.dist,
+            self.run_dir, resolved_config, self.data, train.keep_checkpoints, self.dist,
             say=self.progress.message,
-        )
+        )  # fmt: skip
         with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
-            resume_from = self.checkpoints.resume_checkpoint(cfg.train.resume, self.model.config)
+            resume_from = self.checkpoints.resume_checkpoint(train.resume, self.model.config)
         if resume_from is not None:
             self.model.load_state_dict(resume_from.model.state_dict())
-        # Two handles on one model: `model`, the plain one (evaluation, checkpoints, clipping),
-        # and `step_model`, what training steps run through (DDP-wrapped or FSDP-sharded,
-        # compiled with compile=true; the model itself on one process without compile).
         self.step_model = wrap_model(
             self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype,
             compile=cfg.compile,
@@ -215,16 +195,60 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         scaled = self.precision.needs_grad_scaler  # float16
         self.scaler = torch.amp.GradScaler(self.device.type) if scaled else None
-        block_size = self.model.config.block_size
+        self.sampler = self._sampler()
+        self.state = TrainState()  # with the others, what `last` holds besides the weights
+        self.stateful = self._stateful()
+        self.resumed_from = None if resume_from is None else resume_from.path
+        if resume_from is not None:
+            self._resume(resume_from)
+        self._reporting(resolved_config)  # last: a failure above leaves no wandb run behind
+
+    def _machine(self, sharded: bool) -> tuple[torch.device, Precision]:
+        """The device (this rank's, under torchrun) and its precision, refusing what FSDP
+        cannot do."""
+        cfg = self.cfg
+        if sharded and cfg.optim.name == "muon":
+            raise ConfigError(
+                "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
+                "matrices); use parallel.strategy=ddp"
+            )
+        device = init_distributed(self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s)
+        precision = resolve_precision(device, cfg.dtype)
+        if sharded and precision.needs_grad_scaler:
+            raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
+        configure_backends(device)
+        return device, precision
+
+    def _tasks(self) -> list:
+        """train.eval_tasks, scored at each evaluation: the first eval_task_items of each."""
+        if not self.cfg.train.eval_tasks:
+            return []
+        from evals.tasks import load_task, task_config  # loaded for tasks alone
+
+        tasks = []
+        with main_first():  # rank 0 downloads a hub task once; the others read its cache
+            tokenizer, block_size = self.data.tokenizer(), self.model.config.block_size
+            for name in self.cfg.train.eval_tasks:
+                task = {**task_config(name), "limit": self.cfg.train.eval_task_items}
+                tasks.append(load_task(task, tokenizer, block_size))
+        return tasks
+
+    def _sampler(self) -> BatchSampler | PrefetchingSampler:
+        """This rank's training batches; on a GPU built ahead in pinned memory (data/loader.py)."""
+        train, dist = self.cfg.train, self.dist
         tokens, mask = self.data.tokens("train"), self.data.mask("train")
-        self.sampler = BatchSampler(
-            tokens, block_size, train.batch_size, cfg.seed, self.dist.rank, world, mask
+        block_size = self.model.config.block_size
+        sampler = BatchSampler(
+            tokens, block_size, train.batch_size, self.cfg.seed, dist.rank, dist.world_size, mask
         )
-        if self.device.type == "cuda":  # batches built ahead in pinned memory (data/loader.py)
-            self.sampler = PrefetchingSampler(self.sampler, pin_memory=True)
-        # 4. The training state, in one place: what `last` holds besides the weights, by name.
-        self.state = TrainState()
-        self.stateful = {
+        return (
+            PrefetchingSampler(sampler, pin_memory=True) if self.device.type == "cuda" else sampler
+        )
+
+    def _stateful(self) -> dict[str, Any]:
+        """The training state, in one place: what `last` holds besides the weights, by name,
+        each with state_dict() and load_state_dict()."""
+        stateful: dict[str, Any] = {
             "train_state": self.state,
             "optimizer": FunctionState(
                 lambda: optimizer_state(self.model, self.optimizer),
@@ -234,42 +258,47 @@ class Trainer:
             "torch_rng": FunctionState(torch.get_rng_state, torch.set_rng_state),
         }
         if self.device.type == "cuda":
-            cuda_rng = FunctionState(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-            self.stateful["cuda_rng"] = cuda_rng
+            stateful["cuda_rng"] = FunctionState(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
         if self.scaler is not None:
-            self.stateful["scaler"] = self.scaler
-        self.resumed_from = None if resume_from is None else resume_from.path
-        if resume_from is not None:
-            self.checkpoints.restore(resume_from, self.stateful)
-            self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
-            if self.budget.done(self.state.step, self.state.elapsed):  # its end already ran
-                raise ConfigError(
-                    f"the run resumed from {resume_from.path} has already trained "
-                    f"{self.state.step} steps ({format_seconds(self.state.elapsed)}): its "
-                    f"budget, {self.budget}, is spent; raise train.max_steps or "
-                    f"train.max_seconds to train longer, or evaluate it: "
-                    f"{shlex.join(['python', str(EVALUATE_PY), f'checkpoint={resume_from.path}'])}"
-                )
-        # 5. Reporting, last: the tracker starts a wandb run, which a failure above must not
-        # leave behind. Tokens/s and MFU count every rank's tokens.
+            stateful["scaler"] = self.scaler
+        return stateful
+
+    def _resume(self, ckpt: Checkpoint) -> None:
+        """Every state of `ckpt` but the weights; refused when its budget is already spent."""
+        self.checkpoints.restore(ckpt, self.stateful)
+        self.state.best_val_loss = min(self.state.best_val_loss, self.checkpoints.best_loss())
+        if self.budget.done(self.state.step, self.state.elapsed):  # its end already ran
+            raise ConfigError(
+                f"the run resumed from {ckpt.path} has already trained {self.state.step} steps "
+                f"({format_seconds(self.state.elapsed)}): its budget, {self.budget}, is spent; "
+                "raise train.max_steps or train.max_seconds to train longer, or evaluate it: "
+                f"{shlex.join(['python', str(EVALUATE_PY), f'checkpoint={ckpt.path}'])}"
+            )
+
+    def _reporting(self, resolved_config: dict[str, Any]) -> None:
+        """Tokens/s and MFU (every rank's tokens), the tracker (a wandb run), metrics.jsonl."""
+        train, world = self.cfg.train, self.dist.world_size
+        block_size = self.model.config.block_size
         self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size
         self.tokens_per_flop = world / self.model.flops_per_token(block_size)
         peak, self.peak_source = peak_flops(self.precision)
         self.peak_tokens_per_s = peak and peak * self.tokens_per_flop
         self.peak_remeasured = False
         self.tracker = Tracker(
-            cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id, enabled=self.dist.is_main
-        )
+            self.cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id,
+            enabled=self.dist.is_main,
+        )  # fmt: skip
         self.state.wandb_id = self.tracker.run_id
         self.metrics = MetricsLog(
             self.run_dir, self.tokens_per_step, self.state.step, self.dist.is_main
         )
         # Samples are generated only for a tracker that records them: by every rank (under FSDP
         # each forward is a collective), as rank 0's tracker decides (wandb.mode or WANDB_MODE).
-        self.records_samples = bool(cfg.train.sample_tokens) and from_main(
-            self.tracker.run is not None
-        )
+        self.records_samples = bool(train.sample_tokens) and from_main(self.tracker.run is not None)
         self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
+        # optim.warmup_steps under a time budget: warned of at the first logged step, once the
+        # speed is known (see _log); nothing to warn of when no warmup lies ahead
+        self.warmup_told = not train.max_seconds or self.state.step >= self.cfg.optim.warmup_steps
 
     def _new_model(self, shards: int) -> GPT:
         """The model on the device: train.init_from's pretrained weights (the source fixes the
@@ -340,10 +369,9 @@ class Trainer:
         """One optimizer step; returns (this rank's loss, gradient norm before clipping: the
         same on every rank). No collective and no host read but the step's health (one small
         tensor): the loss is averaged over ranks only where it is logged."""
-        cfg = self.cfg
+        cfg, step = self.cfg, self.state.step
         time_fraction = self.budget.time_fraction(self.state.elapsed)  # see lr_scale
-        scale = lr_scale(self.state.step, cfg.optim, cfg.train.max_steps, time_fraction)
-        set_lr(self.optimizer, scale)
+        set_lr(self.optimizer, lr_scale(step, cfg.optim, cfg.train.max_steps, time_fraction))
         accum = cfg.train.grad_accum_steps
         # The step's loss is the mean over all of its targets, on every rank and micro-batch (a
         # chat batch's assistant tokens vary in number): each micro-batch's summed loss over
@@ -351,7 +379,7 @@ class Trainer:
         # averages gradients over ranks.
         first = self.sampler.state_dict()["step"]
         targets = sum(self.sampler.targets(first + i) for i in range(accum))
-        scale = self.dist.world_size / max(targets, 1)
+        per_target = self.dist.world_size / max(targets, 1)
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
             x, y = self.sampler.next_batch()
@@ -359,7 +387,7 @@ class Trainer:
             with gradient_sync(self.step_model, enabled=i == accum - 1):
                 with self.precision.autocast():
                     _, loss = self.step_model(x, y, loss_reduction="sum")
-                loss = loss * scale
+                loss = loss * per_target
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         if self.scaler:
@@ -430,8 +458,6 @@ class Trainer:
         loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
         timed_from, timed_steps = time.perf_counter(), 0  # tokens/s is timed_steps over this
         first_step = state.step
-        warmup = self.cfg.optim.warmup_steps
-        warmup_told = not cfg.max_seconds or first_step >= warmup  # nothing ahead to warn of
 
         def clock() -> float:  # seconds in the training loop, summed over resumes
             return elapsed_at_start + time.perf_counter() - loop_start
@@ -444,14 +470,8 @@ class Trainer:
             state.elapsed = clock()
             logged = state.step % cfg.log_interval == 0 or state.step == max_steps
             if logged:
-                seconds = time.perf_counter() - timed_from
-                if not warmup_told:  # at the first log: where the clock is when warmup ends
-                    ends = state.elapsed + max(warmup - state.step, 0) * seconds / timed_steps
-                    fraction = self.budget.time_fraction(ends)
-                    if warning := warmup_drop(self.cfg.optim, cfg.max_steps, fraction):
-                        self.progress.message(warning)
-                    warmup_told = True
-                self._log(loss, grad_norm, timed_steps * self.tokens_per_step / seconds)
+                tok_s = timed_steps * self.tokens_per_step / (time.perf_counter() - timed_from)
+                self._log(loss, grad_norm, tok_s)
             evaluated = bool(cfg.eval_interval) and state.step % cfg.eval_interval == 0
             if evaluated:
                 self._validate()
@@ -495,6 +515,13 @@ class Trainer:
         return int(signum), bool(late)
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
+        if not self.warmup_told:  # where the clock will be when warmup ends, at this speed
+            steps_left = max(self.cfg.optim.warmup_steps - self.state.step, 0)
+            ends = self.state.elapsed + steps_left * self.tokens_per_step / tok_s
+            fraction = self.budget.time_fraction(ends)
+            if warning := warmup_drop(self.cfg.optim, self.cfg.train.max_steps, fraction):
+                self.progress.message(warning)
+            self.warmup_told = True
         values = {
             "loss": mean_over_ranks(loss).item(),
             "lr": self.optimizer.param_groups[0]["lr"],
