@@ -36,7 +36,8 @@ cd "$CLONE"
 
 # The README's quick start, verbatim: the venv, PyTorch (here CI's torch==2.13.0, as .ci/run
 # installs it, where the README picks a CPU or GPU build), then the project's install, which
-# leaves that torch alone; installing and training / testing are one command each.
+# leaves that torch alone; installing and training / testing are one command each. Under CI
+# the venv is .ci/run's, made fresh by the same commands.
 VENV='python3 -m venv .venv && . .venv/bin/activate'
 INSTALL='pip install -e ".[dev]"'
 grep -Fq -- "$VENV" README.md || fail "README lost its venv command"
@@ -45,9 +46,16 @@ grep -Fq -- "$INSTALL && python train.py" README.md || fail "README lost its tra
 grep -Fq -- "$INSTALL && python -m pytest -q" README.md || fail "README lost its test command"
 
 step "install: $VENV, torch==2.13.0, $INSTALL"
-eval "$VENV"
-python -m pip install --quiet --upgrade pip
-python -m pip install --quiet torch==2.13.0
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+    # .ci/run built the active venv from scratch with these same commands minutes ago: the
+    # README's install runs into it (every requirement already there) without a second
+    # download and unpacking of torch. Run alone, the walk makes its own venv.
+    echo "into the active venv $VIRTUAL_ENV"
+else
+    eval "$VENV"
+    python -m pip install --quiet --upgrade pip
+    python -m pip install --quiet torch==2.13.0
+fi
 eval "python -m pip install --quiet ${INSTALL#pip install }"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
