@@ -27,6 +27,7 @@ from inference.generate import SamplingParams, TextStream, decode_escapes, strea
 from model import GPT
 
 SEPARATOR = "---------------"
+MESSAGES_FORM = "a list like 'messages=[{role: user, content: \"Hi\"}]', or a JSON file holding one"
 
 
 def read_prompt(prompt: Any, prompt_file: str | None) -> str:
@@ -56,13 +57,16 @@ def read_messages(value: Any) -> list[dict[str, str]] | None:
         return None
     if isinstance(value, str):
         path = Path(value).expanduser()
+        if not path.exists():  # a bare text, most often: say what a conversation looks like
+            raise ConfigError(f"messages {value!r} is not a file: give {MESSAGES_FORM}")
+        text = read_utf8(path, "messages")
         try:
-            value = json.loads(read_utf8(path, "messages"))
+            value = json.loads(text)
         except ValueError as e:
-            raise ConfigError(f"messages: {path} is not JSON ({e})") from None
+            raise ConfigError(f"messages: {path} is not JSON ({e}): give {MESSAGES_FORM}") from None
         value = value.get("messages") if isinstance(value, dict) else value
-    if not isinstance(value, Sequence) or not value:
-        raise ConfigError("messages must be a list like 'messages=[{role: user, content: \"Hi\"}]'")
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ConfigError(f"messages must be {MESSAGES_FORM}")
     for i, message in enumerate(value):
         if why := bad_message(dict(message) if isinstance(message, Mapping) else message):
             raise ConfigError(f"messages[{i}] is {why}: each is {{role: ..., content: ...}}")

@@ -237,6 +237,20 @@ def test_a_prompt_file_that_is_not_utf8_is_refused(run_dir, sample_cfg, tmp_path
     assert f"prompt_file {tmp_path} is a directory; give a file" in err  # was a bare Errno 21
 
 
+def test_messages_that_are_not_a_conversation_say_what_one_looks_like(sample_cfg, tmp_path, capsys):
+    """Issue 50 item 11: a bare text was "not JSON" and a file that "does not exist", never
+    what messages must look like; each wrong form now says it."""
+    form = "give a list like 'messages=[{role: user, content: \"Hi\"}]', or a JSON file"
+    result = sample_py('messages="What licence does bash use?"', cwd=tmp_path)  # the repro
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: messages 'What licence does bash use?' is not a file")
+    assert form in result.stderr
+    (tmp_path / "text.json").write_text("What licence?")
+    (tmp_path / "string.json").write_text('"What licence?"')
+    for value in (tmp_path / "text.json", tmp_path / "string.json", "[]"):
+        assert form.removeprefix("give ") in errors_of(sample_cfg(f"messages={value}"), capsys)
+
+
 def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Once upon a time", encoding="utf-8")
