@@ -27,6 +27,7 @@ FEATURES = {
         ("inference/server.py", None),
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
+        ("inference/cli.py", ["write_attention_plot"]),  # sample.py attention_plot=
     ],
     "export to transformers and GGUF": [
         ("export.py", None),
@@ -58,10 +59,13 @@ FEATURES = {
         ("checkpoints/store.py", ["check_config_against_weights", "_KEYS", "verify_checkpoint"]),
         ("checkpoints/store.py", ["_json_object", "_inside"]),
     ],
-    "tiled FlashAttention (attention: flash)": [("model/flash_attention.py", None)],
+    "tiled FlashAttention (attention: flash)": [
+        ("model/flash_attention.py", None),
+        ("model/gpt.py", ["flash"]),
+    ],
     "Triton GPU kernel (attention: triton)": [
         ("model/triton_attention.py", None),
-        ("model/gpt.py", ["unavailable_attention"]),
+        ("model/gpt.py", ["unavailable_attention", "triton"]),
     ],
     "memory estimate before allocating": [
         ("trainer/preflight.py", ["MemoryEstimate", "estimate_memory"]),
@@ -82,9 +86,17 @@ FEATURES = {
     ],
     "Weights & Biases tracker": [("trainer/reporting.py", ["resolve_mode", "Tracker"])],
     "MFU: peak FLOP/s measured or looked up": [
-        ("hardware/device.py", ["peak_flops", "measured_cpu_matmul_flops", "measured_once"]),
-        ("hardware/device.py", ["cpuinfo", "cpu_name"]),
+        ("hardware/device.py", ["GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_matmul_flops"]),
+        ("hardware/device.py", ["measured_once", "fastest", "cpuinfo", "cpu_name"]),
     ],
+    "CPU dtype=auto: bfloat16 where this CPU's probe measures it faster": [
+        ("hardware/device.py", ["BF16_MIN_SPEEDUP", "AUTO_DTYPE_ENV", "cpu_auto_dtype"]),
+        ("hardware/device.py", ["probed_dtype", "bf16_speedup", "fast_matmul_dtype"]),
+    ],
+    "GPU input pipeline: batches read ahead into pinned memory": [
+        ("data/loader.py", ["PrefetchingSampler"]),
+    ],
+    "a warning when warmup outlasts a time budget": [("trainer/optim.py", ["warmup_drop"])],
     "loss plot (loss.png)": [("trainer/reporting.py", ["draw", "MetricsLog.plot"])],
     "sweep table after `-m`": [
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),

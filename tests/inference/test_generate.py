@@ -20,9 +20,9 @@ from inference.generate import (
     next_token,
     stream_tokens,
 )
-from model import ATTENTION_IMPLS, GPT
+from model import GPT
 from tests.conftest import tiny_config
-from tests.model.conftest import ARCHITECTURES
+from tests.model.conftest import ARCHITECTURES, TRITON_OPTIONS, matrix
 
 BLOCK = 16  # tiny_config's block_size
 
@@ -60,8 +60,7 @@ def test_cached_logits_match_a_fresh_forward_over_the_window_at_every_step(model
     assert start > 2 * BLOCK  # the window restarted several times
 
 
-@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch,impl", matrix(list(ARCHITECTURES), TRITON_OPTIONS))
 def test_greedy_cached_decoding_equals_a_from_scratch_reference_across_refills(arch, impl):
     torch.manual_seed(0)
     model = GPT(tiny_config(**ARCHITECTURES[arch], attention=impl)).eval()

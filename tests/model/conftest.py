@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from model import GPT
+from model import ATTENTION_IMPLS, GPT
 from model.causality import CausalityReport, jacobian_check, perturbation_check, random_tokens
 from model.gpt import MLPS, NORMS, POS_EMBEDDINGS
 
@@ -63,6 +63,17 @@ def _architectures() -> dict[str, dict]:
 
 
 ARCHITECTURES = _architectures()
+
+# attention=triton runs its kernel under Triton's interpreter here (numpy, one program per tile
+# and head at a time: 5-60 s a case), so it takes two option sets of ARCHITECTURES (one preset
+# of test_causality's): the kernel sees only q, k and v, whose making the other implementations
+# check in every case.
+TRITON_OPTIONS = ["gpt2", "all"]
+
+
+def matrix(names: list[str], triton: list[str]) -> list[tuple[str, str]]:
+    """(name, attention) pairs: every name with every implementation but triton, its own."""
+    return [(n, a) for n in names for a in ATTENTION_IMPLS if a != "triton" or n in triton]
 
 
 def random_projections(model: GPT) -> GPT:

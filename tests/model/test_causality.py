@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ATTENTION_IMPLS, GPT, GPTConfig
+from model import GPT, GPTConfig
 from model.causality import (
     CausalityError,
     assert_causal,
@@ -31,7 +31,9 @@ from tests.model.conftest import (
     AXES,
     OPTION_VALUES,
     SIZES,
+    TRITON_OPTIONS,
     find_leaks,
+    matrix,
     random_projections,
 )
 
@@ -43,15 +45,7 @@ MAX_LAYERS = 2
 
 DROPOUT = {"eval": 0.0, "train": 0.1}
 
-# attention=triton runs its kernel under Triton's interpreter here (numpy, one program per tile
-# and head at a time: 5-60 s a case), so it takes one preset and two option sets of the matrix:
-# the kernel sees only q, k and v, whose making the other implementations check in every case.
-TRITON_PRESETS, TRITON_OPTIONS = ["nano"], ["gpt2", "all"]
-
-
-def matrix(names: list[str], triton: list[str]) -> list[tuple[str, str]]:
-    """(name, attention) pairs: every name with every implementation but triton, its own."""
-    return [(n, a) for n in names for a in ATTENTION_IMPLS if a != "triton" or n in triton]
+TRITON_PRESETS = ["nano"]  # see TRITON_OPTIONS
 
 
 def scaled_preset(name: str, attention: str, mode: str = "eval") -> GPTConfig:

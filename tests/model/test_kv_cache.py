@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from model import ATTENTION_IMPLS, GPT, gpt
+from model import GPT, gpt
 from tests.conftest import tiny_config
-from tests.model.conftest import ARCHITECTURES, random_projections
+from tests.model.conftest import ARCHITECTURES, TRITON_OPTIONS, matrix, random_projections
 
 
 def _cached_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -24,8 +24,7 @@ def _cached_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([prefill, chunk, *steps], dim=1)
 
 
-@pytest.mark.parametrize("options", ARCHITECTURES)
-@pytest.mark.parametrize("attention", ATTENTION_IMPLS)
+@pytest.mark.parametrize("options,attention", matrix(list(ARCHITECTURES), TRITON_OPTIONS))
 def test_cached_steps_match_the_full_forward(attention, options):
     """rope: the new positions are rotated by their place after the cached ones (start > 0),
     in every implementation's path (sdpa's explicit mask, flash's offset diagonal)."""
