@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from base.errors import DataError, check, is_int
+from base.errors import DataError, check, is_int, positive_int
 from base.files import read_utf8
 from base.progress import Progress
 from checkpoints.store import add_template_tokens, find_checkpoint, load_source
@@ -128,6 +128,7 @@ def evaluate_checkpoint(
     """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
     split or on any UTF-8 `text_file`, or its downstream task metrics. See configs/evaluate.yaml
     for the keys; `say` shows the plan, and each task's result as it comes."""
+    batch_size = positive_int("batch_size", cfg["batch_size"])
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     source = find_checkpoint(None) if cfg["checkpoint"] is None else cfg["checkpoint"]
@@ -177,7 +178,7 @@ def evaluate_checkpoint(
     scored = len(tokens) - 1 if mask is None else int(mask[1:].sum())
     with Progress(scored, "token") as progress:
         result = evaluate(
-            ckpt.model, tokens, nbytes, cfg["batch_size"], precision,
+            ckpt.model, tokens, nbytes, batch_size, precision,
             stride=stride, progress=progress.update, mask=mask,
         )  # fmt: skip
     return {

@@ -126,6 +126,7 @@ def test_evaluate_py_gives_the_runs_own_final_bits_per_byte(trained_run, tmp_pat
         (["text_file=bad.txt"], "error: text_file bad.txt is not UTF-8"),
         (["stride=0"], "error: stride must be"),
         (["text_file=empty.txt"], "error: text_file empty.txt is empty"),
+        (["batch_size=0"], "error: batch_size must be a positive integer, got 0"),  # was run
     ],
 )
 def test_evaluate_py_bad_input(trained_run, tmp_path, args, message):
