@@ -589,17 +589,15 @@ def create_app(server: Server) -> FastAPI:
 
 def limits(cfg: Mapping[str, Any]) -> dict:
     """The limits and the key, checked (before a model is loaded)."""
-    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1, page_tokens=1)
+    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1)
     values = {
         n: check(n, cfg[n], is_int(cfg[n], low), f"an integer >= {low}") for n, low in lows.items()
     }
-    prompt = cfg["max_prompt_tokens"]
-    check(
-        "max_prompt_tokens", prompt, prompt is None or is_int(prompt, 1), "an integer >= 1 or null"
-    )
+    for n in ("max_prompt_tokens", "page_tokens"):  # null: set by the model's block_size
+        values[n] = check(n, cfg[n], cfg[n] is None or is_int(cfg[n], 1), "an integer >= 1 or null")
     key = cfg["api_key"] or os.environ.get(KEY_VARIABLE) or None
     check("api_key", "<hidden>", key is None or isinstance(key, str), "a string or null")
-    return {**values, "max_prompt_tokens": prompt, "api_key": key}
+    return {**values, "api_key": key}
 
 
 def main(cfg: Mapping[str, Any]) -> int:
@@ -621,8 +619,9 @@ def main(cfg: Mapping[str, Any]) -> int:
         ckpt = load_source(source, device, attention="manual")  # the mask explicit: see causality
         model = ckpt.model.to(dtype).eval()
         block = model.config.block_size
-        values["max_prompt_tokens"] = min(values["max_prompt_tokens"] or block, block)
-        values["page_tokens"] = min(values["page_tokens"], block)
+        for n, default in (("max_prompt_tokens", block), ("page_tokens", min(64, block))):
+            most = f"at most the model's block_size, {block} (or null: {default})"
+            values[n] = check(n, values[n], (values[n] or 0) <= block, most) or default
         name = cfg["name"] or model_name(str(source), ckpt.path)
         where = f"{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
         server = Server(model, ckpt.tokenizer(), str(name), values, allowed_hosts(host, where))

@@ -255,9 +255,15 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
         (["max_batch=0"], "error: max_batch must be an integer >= 1, got 0"),
         (["checkpoint=/no/such/run"], "error: "),
         (["host=0.0.0.0", "checkpoint=/no/such/run"], "warning: host=0.0.0.0: anyone who can"),
+        (["page_tokens=100000"], "error: page_tokens must be at most the model's block_size, 32"),
+        (["max_prompt_tokens=33"], "error: max_prompt_tokens must be at most the model's"),
     ],
 )
-def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path):
+def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path, serve_checkpoint):
+    """Issue 50 item 12: page_tokens (and max_prompt_tokens) over the model's block_size were
+    cut to it without a word; they are refused."""
+    if not any(a.startswith("checkpoint=") for a in args):
+        args = [f"checkpoint={serve_checkpoint}", *args]
     done = subprocess.run(
         [sys.executable, str(SERVE_PY), *args],
         capture_output=True,
