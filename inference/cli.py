@@ -103,17 +103,20 @@ def converse(
     ckpt: Checkpoint,
     model: GPT,
     settings: dict[str, Any],
-    system: str | None,
+    messages: list[dict[str, str]],
     out: TextIO,
     err: TextIO,
     lines: TextIO,
 ) -> list[str]:
-    """The terminal conversation: a user turn per line read, each reply streamed; the history
-    is kept within the context (the oldest turns leave first). An empty line or the end of
-    input ends it (Ctrl-C too, with sample.py's exit code 130)."""
-    messages = [{"role": "system", "content": system}] if system else []
-    print("chat: type a message and press Enter; an empty line ends the chat", file=err)
+    """The terminal conversation from `messages` (answered first when they end with a user
+    turn): a user turn per line read, each reply streamed; the history is kept within the
+    context (the oldest turns leave first). An empty line or the end of input ends it (Ctrl-C
+    too, with sample.py's exit code 130)."""
     replies = []
+    if messages and messages[-1]["role"] == "user":
+        replies.append(reply(ckpt, model, messages, settings, out))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    print("chat: type a message and press Enter; an empty line ends the chat", file=err)
     while True:
         print("> ", end="", file=err, flush=True)
         line = lines.readline()
@@ -154,6 +157,10 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
             "chat=true and messages answer a conversation: drop prompt, prompt_file, "
             "num_samples and attention_plot (they are for continuing text)"
         )
+    if messages is not None and cfg.get("system"):
+        raise ConfigError(
+            "messages is the whole conversation: give its system turn there, not as system="
+        )
     device = resolve_device(str(cfg["device"]))
     dtype = decoding_dtype(str(cfg["dtype"]), device)
 
@@ -175,9 +182,10 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
         settings = dict(
             params=params, generator=generator, stop=stop, max_new_tokens=max_new_tokens
         )
-        if messages is not None:
+        if not cfg.get("chat"):  # messages alone: their one reply
             return [reply(ckpt, model, messages, settings, out)]
-        return converse(ckpt, model, settings, cfg.get("system"), out, err, sys.stdin)
+        system = [{"role": "system", "content": cfg["system"]}] if cfg.get("system") else []
+        return converse(ckpt, model, settings, messages or system, out, err, sys.stdin)
 
     ids = tokenizer.encode_ordinary(prompt) or [eot]
     block_size = model.config.block_size

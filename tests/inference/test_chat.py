@@ -183,6 +183,31 @@ def test_the_terminal_conversation_keeps_its_history(chat_run, tmp_path):
     assert sample_chat(chat_run, tmp_path, as_file(tmp_path, history)) == second + "\n"
 
 
+def test_chat_true_with_messages_goes_on_from_them_in_the_terminal(chat_run, tmp_path):
+    """Issue 50 item 12: chat=true beside messages was ignored without a word (one reply, then
+    exit); the terminal conversation now starts from them, their reply first. A system= beside
+    them is refused: messages hold the whole conversation."""
+    first = sample_chat(chat_run, tmp_path, as_file(tmp_path, MESSAGES))
+    history = [*MESSAGES, {"role": "assistant", "content": first[:-1]}]
+    second = sample_chat(
+        chat_run, tmp_path, as_file(tmp_path, [*history, {"role": "user", "content": "And?"}])
+    )
+    out = sample_chat(
+        chat_run, tmp_path, "chat=true", as_file(tmp_path, MESSAGES), input="And?\n\n"
+    )
+    assert out == first + second
+    proc = run_script(
+        "sample.py",
+        f"checkpoint={chat_run}",
+        "system=Be brief.",
+        as_file(tmp_path, MESSAGES),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "error: messages is the whole conversation"
+    )
+
+
 def test_attention_over_a_conversation(serve_in_process, chat_run, tmp_path):
     """/api/attention with messages: the template's ids, the newest page_tokens of them, and
     where each turn starts; text and messages together, no messages, or messages to a base
