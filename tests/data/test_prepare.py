@@ -325,6 +325,23 @@ def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_one_file_given_as_a_string_is_a_one_file_list(tmp_path: Path) -> None:
+    """Issue 50 item 12: data.train_files=input.txt (no brackets) is the same dataset as
+    'data.train_files=[input.txt]', prepared into the same directory."""
+    text = tmp_path / "input.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 50)
+    dirs = []
+    for files in (text, f"[{text}]"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "data.prepare", "data=text", f"data.train_files={files}",
+             "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}"],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        dirs.append(json.loads(proc.stdout.strip().splitlines()[-1])["dir"])
+    assert dirs[0] == dirs[1]
+
+
 def test_unknown_dataset_lists_known(tmp_path: Path) -> None:
     with pytest.raises(
         DataError,
