@@ -94,7 +94,9 @@ def bad_message(message: Any) -> str | None:
 def problem(messages: Any) -> str | None:
     """Why a conversation cannot be trained on (None: it can); data preparation skips and
     counts these."""
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list):
+        return "messages that are not a list"
+    if not messages:
         return "no messages"
     for message in messages:
         if why := bad_message(message):

@@ -218,8 +218,10 @@ CHAT_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def check_json_lines(path: Path, field: str) -> None:
-    """Refuse a JSON-lines file whose line is not ``{"<field>": [{...}, ...]}``, naming the
-    file and the line (what ``datasets`` would fail on with neither)."""
+    """Refuse a JSON-lines file whose line is not JSON, or not an object with a ``<field>``,
+    naming the file and the line (what ``datasets`` would fail on with neither). What the
+    field holds is a conversation, which preparation skips and counts if it cannot be trained
+    on (data.chat.problem)."""
     with open(path, encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -230,8 +232,7 @@ def check_json_lines(path: Path, field: str) -> None:
                 raise DataError(
                     f"{path}:{number}: not JSON ({e.msg}); fix or remove the line"
                 ) from None
-            messages = row.get(field) if isinstance(row, dict) else None
-            if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+            if not (isinstance(row, dict) and field in row):
                 raise DataError(
                     f'{path}:{number}: not {{"{field}": [{{"role": ..., "content": ...}}, ...]}} '
                     "(set data.messages_field if the column has another name)"

@@ -152,13 +152,17 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": "  "}, *CONVERSATION[2:3]]},
         {"messages": CONVERSATION[:2]},
         {"messages": CONVERSATION[:2]},
+        {"messages": [{"role": "user", "content": 5}, *CONVERSATION[2:3]]},  # issue 50 item 13:
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+        {"messages": "a string"},  # stopped the preparation; now skipped as the two above are
     ]
     train = write_jsonl(tmp_path / "train.jsonl", [good, *bad, good])
     proc = prepare(tmp_path, train, write_jsonl(tmp_path / "val.jsonl", [good]))
     assert proc.returncode == 0, proc.stderr
     assert (
-        "chat/train: 4 conversations skipped: 1 with a role other than system, user, assistant, "
-        "1 with an empty content, 2 with no assistant turn"
+        "chat/train: 7 conversations skipped: 2 with a message without a string content, "
+        "1 with a role other than system, user, assistant, 1 with an empty content, "
+        "1 with messages that are not a list, 2 with no assistant turn"
     ) in proc.stdout
     assert json.loads(proc.stdout.splitlines()[-1])["train"]["documents"] == 2
 
@@ -167,8 +171,8 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path: Path) -> None:
     ("rows", "message"),
     [
         (["{not json"], "train.jsonl:2: not JSON"),
-        ([{"messages": "hello"}], 'train.jsonl:2: not {"messages": [{"role": ..., "content": ...}'),
-        ([{"text": "hello"}], "train.jsonl:2: not"),
+        ([{"text": "hello"}], 'train.jsonl:2: not {"messages": [{"role": ..., "content": ...}'),
+        (["[1, 2]"], "train.jsonl:2: not"),
         ([{"messages": CONVERSATION[:2]}], "no conversations that can be trained on (0 documents; "
          "2 conversations skipped: 2 with no assistant turn)"),
     ],
