@@ -56,17 +56,26 @@ from base.errors import ConfigError, boolean, check, choice, is_number, positive
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    dropout_p: float = 0.0,
+    steps: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention under a mask; returns (output, probabilities S).
 
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
     attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
     lengths (inference/batching.py's RaggedKVCache). Dropout applies to S before it weighs V.
+    `steps`, when given, receives each intermediate (GPT.formula_steps shows them).
     """
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, Tq, Tk)
-    scores = scores.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
-    probs = F.softmax(scores, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
+    qk = q @ k.transpose(-2, -1)  # (B, nh, Tq, Tk): q_i . k_j for every query i and key j
+    scaled = qk / math.sqrt(k.size(-1))  # variance ~1 whatever d_k: softmax does not saturate
+    masked = scaled.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
+    probs = F.softmax(masked, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
+    if steps is not None:
+        steps.update(QK=qk, scaled=scaled, masked=masked, S=probs)
     y = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, Tq, hs)
     return y, probs
 
@@ -166,18 +175,23 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))  # W_O
 
     def heads(
-        self, x: torch.Tensor, rope: Rope | None = None
+        self, x: torch.Tensor, rope: Rope | None = None, steps: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs)."""
+        """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs). `steps`, when given,
+        receives them as made and after each option (GPT.formula_steps)."""
         B, T, C = x.shape
+        steps = {} if steps is None else steps
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        steps.update(Q=q, K=k, V=v)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
+            steps.update(Q_norm=q, K_norm=k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
+            steps.update(Q_rope=q, K_rope=k)
         return q, k, v
 
     def probs(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
@@ -404,6 +418,32 @@ class GPT(nn.Module):
             for hook in hooks:
                 hook.remove()
         return torch.stack(probs)
+
+    @torch.no_grad()
+    def formula_steps(self, idx: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        """Every step of layer `layer`'s attention for idx (1, T), computed by the formula's own
+        lines (`heads`, `causal_attention`) from the layer's input in one forward pass, without
+        dropout, whatever implementation the model runs. Per head, (nh, T, hs) or (nh, T, T):
+        Q, K, V as made; Q_norm, K_norm with qk_norm; Q_rope, K_rope with rope; QK (Q K^T),
+        scaled (/ sqrt(d_k)), masked (-inf above the diagonal), S (softmax), Y (S V). For the
+        layer, (T, C): X, the normed input; heads, every Y concatenated; out, through W_O; and
+        forward, the attention's output in the forward pass itself, which `out` equals."""
+        steps: dict[str, torch.Tensor] = {}
+
+        def record(attn: CausalSelfAttention, args: tuple, forward: torch.Tensor) -> None:
+            x, _, rope = args  # Block's call: (normed x, cache, rope)
+            q, k, v = attn.heads(x, rope, steps)
+            y, _ = causal_attention(q, k, v, attn.causal_mask[: x.size(1), : x.size(1)], 0, steps)
+            heads = y.transpose(1, 2).reshape(x.shape)  # concatenated: (1, T, C)
+            steps.update(X=x, Y=y, heads=heads, out=attn.c_proj(heads), forward=forward)
+
+        hook = self.transformer.h[layer].attn.register_forward_hook(record)
+        try:
+            with eval_mode(self):
+                self.hidden_states(idx)
+        finally:
+            hook.remove()
+        return {name: step[0] for name, step in steps.items()}  # idx's one row
 
     def new_kv_cache(
         self, batch_size: int, max_len: int | None = None, kind: type[KVCache] | None = None
