@@ -100,3 +100,133 @@ def plot_attention(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, facecolor="white")
     return fig
+
+
+def formula_view(
+    model: GPT, idx: torch.Tensor, layer: int, head: int, row: int | None = None
+) -> dict:
+    """One layer and head of the attention formula for idx (1, T), as plain numbers for the page,
+    the API and sample.py formula=true, from `GPT.formula_steps` (the model's own lines):
+
+    - steps: the head's matrices in the order the formula reads (Q, K, V, each option's Q and
+      K, QK, scaled, masked with None where -inf, S, Y), and the layer's X, concatenated heads
+      and output through W_O;
+    - heads: every head's S (small multiples) and its share of the output, the norm of
+      Y_h W_O[:, h]^T, its slice through W_O;
+    - sqrt_dk: the variance of the raw and of the scaled scores over the visible cells, and
+      the chosen row's largest weight and entropy with and without the division;
+    - row (default the last): that query's dot products with the visible keys, scaled, their
+      exponentials and sum, its weights, and y_i, their weighted sum of the value rows."""
+    c = model.config
+    for key, value, count in (("layer", layer, c.n_layer), ("head", head, c.n_head)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise ConfigError(f"{key}={value!r} is out of range: use 0 to {count - 1}")
+    T = idx.size(1)
+    i = T - 1 if row is None else row
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < T:
+        raise ConfigError(f"row={row!r} is out of range: the text has {T} tokens (0 to {T - 1})")
+    steps = {k: v.double().cpu() for k, v in model.formula_steps(idx, layer).items()}
+    w_o = model.transformer.h[layer].attn.c_proj.weight.double().cpu()  # (C, C)
+    hs = c.head_size
+    shares = [
+        (steps["Y"][h] @ w_o[:, h * hs : (h + 1) * hs].T).norm().item() for h in range(c.n_head)
+    ]
+    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    raw, scaled = steps["QK"][head], steps["scaled"][head]
+
+    def weights(scores: torch.Tensor) -> tuple[float, float]:  # row i's (largest, entropy)
+        p = scores[i, : i + 1].softmax(-1)
+        return p.max().item(), -(p * p.clamp_min(1e-300).log()).sum().item()
+
+    exps = (scaled[i, : i + 1] - scaled[i, : i + 1].max()).exp()
+    per_head = {k: v[head] for k, v in steps.items() if v.dim() == 3}
+    per_layer = {k: v for k, v in steps.items() if v.dim() == 2 and k != "forward"}
+    per_head["masked"] = per_head["masked"].masked_fill(~visible, math.nan)  # JSON: null
+    return {
+        "layer": layer,
+        "head": head,
+        "d_k": hs,
+        "steps": {k: _rounded(v) for k, v in {**per_head, **per_layer}.items()},
+        "heads": {"S": steps["S"].mul(1e6).round().div(1e6).tolist(), "shares": shares},
+        "sqrt_dk": {
+            "var_raw": raw[visible].var().item(),
+            "var_scaled": scaled[visible].var().item(),
+            "largest": weights(scaled)[0],
+            "entropy": weights(scaled)[1],
+            "largest_unscaled": weights(raw)[0],
+            "entropy_unscaled": weights(raw)[1],
+        },
+        "row": {
+            "i": i,
+            "dots": raw[i, : i + 1].tolist(),
+            "scaled": scaled[i, : i + 1].tolist(),
+            "exps": exps.tolist(),
+            "sum": exps.sum().item(),
+            "weights": steps["S"][head, i, : i + 1].tolist(),
+            "y": steps["Y"][head, i].tolist(),
+        },
+    }
+
+
+def _rounded(matrix: torch.Tensor) -> list[list[float | None]]:
+    """6 decimals (the page's precision), NaN (a masked cell) as None: JSON has no -inf."""
+    rows = matrix.mul(1e6).round().div(1e6).tolist()
+    return [[None if math.isnan(x) else x for x in r] for r in rows]
+
+
+def row_lines(view: dict, labels: Sequence[str]) -> list[str]:
+    """The chosen row's computation, as text: its dot products, scaled, the softmax, y_i."""
+    r, d_k, i = view["row"], view["d_k"], view["row"]["i"]
+    keys = " ".join(f"{labels[j]!r}" for j in range(i + 1))
+    numbers = lambda xs: " ".join(f"{x:.3g}" for x in xs)  # noqa: E731
+    s = view["sqrt_dk"]
+    return [
+        f"layer {view['layer']}, head {view['head']}, query {i} ({labels[i]!r}) over keys {keys}",
+        f"q_{i} . k_j          {numbers(r['dots'])}",
+        f"/ sqrt({d_k})        {numbers(r['scaled'])}",
+        f"exp(. - max)       {numbers(r['exps'])}  (sum {r['sum']:.4g})",
+        f"S[{i}, j] = exp/sum  {numbers(r['weights'])}",
+        f"y_{i} = sum_j S[{i}, j] v_j = [{numbers(r['y'])}]",
+        f"why / sqrt(d_k): score variance {s['var_raw']:.3g} raw, {s['var_scaled']:.3g} scaled; "
+        f"row {i}'s largest weight {s['largest']:.3g} (entropy {s['entropy']:.3g} nats), "
+        f"without the division {s['largest_unscaled']:.3g} ({s['entropy_unscaled']:.3g} nats)",
+    ]
+
+
+def plot_formula(view: dict, labels: Sequence[str], path: str | Path) -> Figure:
+    """Write one head's steps (formula_view's) left to right as the formula reads, each with
+    its own colour scale, tokens on the axes; the masked triangle hatched (-inf, not a small
+    number), and S's above the diagonal too (exactly 0, by the mask)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    steps = view["steps"]
+    names = [n for n in ("Q", "K", "Q_norm", "K_norm", "Q_rope", "K_rope") if n in steps]
+    names += ["QK", "scaled", "masked", "S", "V", "Y"]
+    titles = dict(QK="Q K^T", scaled=f"/ sqrt({view['d_k']})", masked="mask: -inf above")
+    titles |= dict(S="S = softmax", Y="Y = S V")
+    T = len(labels)
+    ticks = list(range(0, T, math.ceil(T / MAX_TICKS)))
+    fig = Figure(figsize=(3.2 * len(names), 4.2), layout="constrained")
+    for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names, strict=True):
+        values = np.array(steps[name], dtype=float)  # None (masked) -> nan: drawn transparent
+        if name in ("masked", "S"):
+            values[np.triu(np.ones((T, T), dtype=bool), k=1)] = np.nan
+            ax.add_patch(
+                Rectangle((-0.5, -0.5), T, T, fc="white", ec="0.75", hatch="////", lw=0, zorder=0)
+            )
+        image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto", zorder=1)
+        fig.colorbar(image, ax=ax, location="bottom", shrink=0.8)  # its range, in its units
+        ax.set_title(titles.get(name, f"{name}_{view['head']}"), fontsize=10)
+        ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=7)
+        if name in ("QK", "scaled", "masked", "S"):  # keys across, as queries down
+            ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
+        else:
+            ax.set_xticks([])
+        ax.tick_params(length=0)
+    fig.suptitle(
+        f"layer {view['layer']}, head {view['head']}: S = softmax(mask(Q K^T / sqrt(d_k))), Y = S V"
+    )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, facecolor="white")
+    return fig

@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+from base.errors import ConfigError
 from data.tokenizer import get_tokenizer
-from inference.attention_plot import plot_attention, prompt_attention, token_labels
+from inference.attention_plot import (
+    formula_view,
+    plot_attention,
+    plot_formula,
+    prompt_attention,
+    row_lines,
+    token_labels,
+)
 from model import GPT
 from tests.conftest import tiny_config
 
@@ -70,3 +78,47 @@ def test_a_token_that_is_part_of_a_character_shows_its_bytes():
     not a '�' apiece; a whole character stays itself."""
     tok = get_tokenizer("bytes")
     assert token_labels(tok, tok.encode_ordinary("aé")) == ["a", "C3", "A9"]
+
+
+def test_the_formula_view_is_the_models_steps_and_its_row_adds_up(model):
+    """formula_view's numbers are formula_steps' for the chosen head; the row's softmax is its
+    exponentials over their sum, y_i its weighted sum of the value rows; the head shares
+    recompose the layer's output; the variance shrinks by d_k when scaled."""
+    idx = torch.randint(0, 101, (1, 9))
+    view = formula_view(model, idx, layer=1, head=2, row=5)
+    steps = model.formula_steps(idx, 1)
+    S = torch.tensor(view["steps"]["S"], dtype=torch.float64)
+    torch.testing.assert_close(S, steps["S"][2].double(), atol=1e-6, rtol=0)
+    assert view["steps"]["masked"][5][6] is None and view["steps"]["masked"][5][5] is not None
+    row, d_k = view["row"], view["d_k"]
+    assert d_k == 8 and len(row["dots"]) == 6  # query 5 sees keys 0..5
+    weights = np.array(row["exps"]) / row["sum"]
+    np.testing.assert_allclose(weights, row["weights"], atol=1e-6)  # S is the model's float32
+    np.testing.assert_allclose(np.array(row["dots"]) / np.sqrt(d_k), row["scaled"], atol=1e-9)
+    v = steps["V"][2, :6].double().numpy()  # (6, hs): the value rows query 5 sees
+    np.testing.assert_allclose(np.array(row["weights"]) @ v, row["y"], atol=1e-6)
+    s = view["sqrt_dk"]
+    assert s["var_scaled"] == pytest.approx(s["var_raw"] / d_k)
+    # without the division the scores are sqrt(d_k) times larger: a peakier softmax
+    assert s["largest_unscaled"] >= s["largest"] and s["entropy_unscaled"] <= s["entropy"]
+    assert len(view["heads"]["S"]) == 4 and min(view["heads"]["shares"]) > 0
+
+
+@pytest.mark.parametrize("key, value", [("layer", 3), ("head", 4), ("row", 9), ("head", True)])
+def test_the_formula_view_refuses_a_layer_head_or_row_out_of_range(model, key, value):
+    args = dict(layer=0, head=0, row=None) | {key: value}
+    with pytest.raises(ConfigError, match=f"{key}={value!r} is out of range"):
+        formula_view(model, torch.randint(0, 101, (1, 9)), **args)
+
+
+def test_the_formula_figure_and_the_rows_lines(model, tmp_path):
+    idx = torch.randint(0, 101, (1, 7))
+    view = formula_view(model, idx, layer=0, head=1)
+    labels = [f"t{i}" for i in range(7)]
+    fig = plot_formula(view, labels, tmp_path / "formula.png")
+    assert (tmp_path / "formula.png").read_bytes().startswith(PNG_SIGNATURE)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles[:2] == ["Q_1", "K_1"] and "mask: -inf above" in titles and titles[-1] == "Y = S V"
+    lines = row_lines(view, labels)
+    assert lines[0].startswith("layer 0, head 1, query 6 ('t6')")
+    assert lines[2].startswith("/ sqrt(8)") and lines[-1].startswith("why / sqrt(d_k)")
