@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from base.errors import DataError, check, is_int, positive_int
+from base.errors import ConfigError, DataError, check, is_int, positive_int
 from base.files import read_utf8
 from base.progress import Progress
 from checkpoints.store import add_template_tokens, find_checkpoint, load_source
@@ -129,6 +129,8 @@ def evaluate_checkpoint(
     split or on any UTF-8 `text_file`, or its downstream task metrics. See configs/evaluate.yaml
     for the keys; `say` shows the plan, and each task's result as it comes."""
     batch_size = positive_int("batch_size", cfg["batch_size"])
+    if cfg["dataset"] and cfg.get("data"):  # data=: train.py's group, its data.* keys too
+        raise ConfigError("give dataset=<name> or data=<name> (with its data.* keys), not both")
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     source = find_checkpoint(None) if cfg["checkpoint"] is None else cfg["checkpoint"]
@@ -154,12 +156,15 @@ def evaluate_checkpoint(
         mask = None
         source, nbytes = str(file), len(text.encode("utf-8"))
     else:
-        data_cfg = {"name": cfg["dataset"]} if cfg["dataset"] else ckpt.run_config.get("data")
+        named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
+        data_cfg = named or ckpt.run_config.get("data")
         if data_cfg is None:
             raise DataError(
                 f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
                 "(no run.data in its config.json); evaluate with dataset=<name> or text_file=<path>"
             )
+        if data_cfg.get("val_files") and not data_cfg.get("train_files"):  # val alone is scored
+            data_cfg = {**data_cfg, "train_files": data_cfg["val_files"]}
         data = prepare_data(data_cfg, verbose=False)
         if not ckpt.same_tokenizer(data):
             name, theirs = data.tokenizer_name, ckpt.tokenizer_name

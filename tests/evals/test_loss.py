@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from evals import loss as eval_loss
 from evals.loss import evaluate, sliding_windows
 from hardware.device import Precision
 from model import GPT
-from tests.conftest import run_script, tiny_config
+from tests.conftest import run_script, save_tiny_checkpoint, tiny_config
 from trainer.reporting import METRICS_FILE, read_metrics
 
 CPU = Precision(torch.device("cpu"), torch.float32)
@@ -156,3 +157,28 @@ def test_a_chat_split_scores_its_assistant_tokens_alone():
             nats -= F.log_softmax(logits, -1)[tokens[t]].item()
     assert result.tokens == 6 and result.loss == pytest.approx(nats / 6, rel=1e-5)
     assert result.bpb == pytest.approx(nats / (60 * math.log(2)), rel=1e-5)
+
+
+def test_evaluate_py_scores_a_base_and_a_chat_checkpoint_on_ones_own_conversations(
+    tmp_path, chat_corpus
+):
+    """Issue 50 item 10: dataset=chat needed data.train_files, which evaluate.py refused (no
+    data.* keys); `data=chat data.val_files=[...]` scores the file's assistant tokens, before
+    chat fine-tuning (a base model, given the template's tokens) and after."""
+    _, val_files, cache_dir = chat_corpus[1:]
+    lines = Path(val_files.removeprefix("data.val_files=[")[:-1]).read_text().splitlines()
+    conversations = [json.loads(line)["messages"] for line in lines]
+    replies = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+    base, _ = save_tiny_checkpoint(tmp_path / "base")
+    chat, _ = save_tiny_checkpoint(
+        tmp_path / "chat", meta={"chat_template": "chatml"}, vocab_size=50259
+    )
+    for checkpoint in (base, chat):
+        args = "data=chat", val_files, cache_dir  # no data.train_files: the val split alone
+        result = run_script("evaluate.py", f"checkpoint={checkpoint}", *args, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out["data"] == "chat/val" and out["bytes"] == len("".join(replies).encode())
+        assert out["tokens"] >= len(replies) and math.isfinite(out["bpb"])
+    both = run_script("evaluate.py", f"checkpoint={chat}", "dataset=chat", *args, cwd=tmp_path)
+    assert both.returncode == 2 and both.stderr.startswith("error: give dataset=<name> or data=")
