@@ -295,10 +295,11 @@ WITHOUT_NETWORK = (
 
 
 def load_dataset(
-    path: str, subset: str | None, split: str, **kwargs: Any
+    path: str, subset: str | None, split: str, without_network: str = WITHOUT_NETWORK, **kwargs: Any
 ) -> datasets.Dataset | datasets.IterableDataset:
     """`datasets.load_dataset`, with what it raises for a bad input (offline, unknown repo or
-    split, unreadable file: OSError, ValueError, DatasetsError) as one DataError line; any other
+    split, unreadable file: OSError, ValueError, DatasetsError) as one DataError line, which
+    ends with `without_network` (what to do instead) for a hub repository; any other
     exception is a bug and keeps its traceback. A hub repository is refused at once
     when the hub is unreachable (the hub client would retry for half a minute)."""
     import datasets
@@ -311,7 +312,7 @@ def load_dataset(
         except OSError:
             raise DataError(
                 f"could not load {path!r}: the Hugging Face hub ({hub.netloc}) is unreachable"
-                f"{WITHOUT_NETWORK}, or set HF_DATASETS_OFFLINE=1 to use a cached copy"
+                f"{without_network}, or set HF_DATASETS_OFFLINE=1 to use a cached copy"
             ) from None
     try:
         return datasets.load_dataset(path, subset, split=split, **kwargs)
@@ -320,7 +321,7 @@ def load_dataset(
         raise DataError(
             f"could not load {path!r} (subset={subset}, split={split}): "
             f"{type(e).__name__}: {first_line}; check the name and network access"
-            f"{WITHOUT_NETWORK if remote else ''}"
+            f"{without_network if remote else ''}"
         ) from e
 
 

@@ -108,6 +108,13 @@ def encode_pair(
     return ctx, tokenizer.encode_ordinary(context + cont)[len(ctx) :]
 
 
+LOCAL_COPY = (
+    "; without the network, score a local copy of the items: task.data_files=<file> (in "
+    "train.eval_tasks, a task .yaml that sets data_files); docs/evaluation.md says where to get "
+    "each task's file"
+)
+
+
 def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int) -> Task:
     """A task's first `limit` items, tokenized. With `data_files`, a local .jsonl, .json or
     .parquet file in the hub dataset's fields goes through the same `datasets.load_dataset`."""
@@ -126,15 +133,11 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
             )
         subset, files = None, {split: str(Path(files).expanduser())}
     try:
-        ds = load_dataset(path, subset, split, data_files=files)
+        ds = load_dataset(path, subset, split, LOCAL_COPY, data_files=files)
     except DataError as e:
         if files:
             raise
-        raise DataError(
-            f"task {name}: {e}; or score a local copy of the items: task.data_files=<file> "
-            "(in train.eval_tasks, a task .yaml that sets data_files); docs/evaluation.md "
-            "says where to get each task's file"
-        ) from e
+        raise DataError(f"task {name}: {e}") from e
     if missing := [f for f in fields if f not in ds.column_names]:
         raise DataError(
             f"task {name}: the items have no field {', '.join(missing)} "

@@ -185,7 +185,8 @@ def test_a_task_the_hub_cannot_give_says_how_to_use_a_local_copy():
         load_task(task_config("hellaswag"), GPT2, 64)
     message = str(caught.value)
     assert message.startswith("task hellaswag: could not load 'Rowan/hellaswag'")
-    assert "task.data_files=<file>" in message and "docs/evaluation.md" in message
+    assert "without the network, score a local copy of the items: task.data_files=<file>" in message
+    assert "docs/evaluation.md" in message and "data.path" not in message  # train.py's hint: not
 
 
 def test_evaluate_py_scores_a_task(tmp_path, hf_gpt2_dir):
