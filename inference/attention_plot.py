@@ -118,6 +118,8 @@ def formula_view(
     - row (default the last): that query's dot products with the visible keys, scaled, their
       exponentials and sum, its weights, and y_i, their weighted sum of the value rows."""
     c = model.config
+    if isinstance(layer, int) and -c.n_layer <= layer < 0:  # negative counts from the end
+        layer += c.n_layer
     for key, value, count in (("layer", layer, c.n_layer), ("head", head, c.n_head)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
             raise ConfigError(f"{key}={value!r} is out of range: use 0 to {count - 1}")

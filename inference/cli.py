@@ -22,7 +22,14 @@ from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within
 from hardware.device import decoding_dtype, resolve_device
-from inference.attention_plot import plot_attention, prompt_attention, token_labels
+from inference.attention_plot import (
+    formula_view,
+    plot_attention,
+    plot_formula,
+    prompt_attention,
+    row_lines,
+    token_labels,
+)
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
 from model import GPT
 
@@ -152,10 +159,10 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
-    if chat and (prompt or num_samples > 1 or cfg["attention_plot"]):
+    if chat and (prompt or num_samples > 1 or cfg["attention_plot"] or cfg.get("formula")):
         raise ConfigError(
             "chat=true and messages answer a conversation: drop prompt, prompt_file, "
-            "num_samples and attention_plot (they are for continuing text)"
+            "num_samples, attention_plot and formula (they are for continuing text)"
         )
     if messages is not None and cfg.get("system"):
         raise ConfigError(
@@ -207,6 +214,15 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
                 "give a longer prompt, e.g. 'prompt=\"To be, or not to be\"'",
                 file=err,
             )
+
+    if cfg.get("formula"):  # .get: keys newer than a caller's dict
+        layer = (
+            model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
+        )
+        view = formula_view(model, idx[:1], layer, cfg["formula_head"], cfg["formula_row"])
+        labels = token_labels(tokenizer, ids)
+        plot_formula(view, labels, cfg["formula"])
+        print(*row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
 
     live = out.isatty() if stream is None else stream
     if stream and num_samples > 1:

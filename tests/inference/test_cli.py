@@ -146,6 +146,19 @@ def test_the_attention_plot_is_written(run_dir, sample_cfg, tmp_path):
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_the_formula_figure_is_written_and_one_querys_computation_printed(
+    run_dir, sample_cfg, tmp_path, capsys
+):
+    figure = tmp_path / "formula.png"
+    args = ["prompt='a b c'", "max_new_tokens=0", f"formula={figure}", "attention_layer=-1"]
+    run(sample_cfg(f"checkpoint={run_dir}", *args, "formula_head=1", "formula_row=1"))
+    assert figure.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("layer 1, head 1, query 1 ('␣b') over keys 'a' '␣b'")
+    assert lines[1].startswith("q_1 . k_j ") and len(lines[1].split()) == 3 + 2  # two keys
+    assert lines[-1] == f"wrote {figure}"
+
+
 def errors_of(cfg, capsys) -> str:
     """Run main(cfg); assert it failed as a user mistake; return the error line."""
     with pytest.raises(SystemExit) as exited:
@@ -270,6 +283,8 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("device=tpu9", "device must be auto or a device (cpu, cuda, cuda:1, mps), got 'tpu9'"),
         ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
         ("attention_plot=x.png attention_layer=7", "attention_layer=7 is out of range"),
+        ("formula=x.png formula_head=9", "head=9 is out of range: use 0 to 1"),
+        ("formula=x.png formula_row=99", "row=99 is out of range: the text has 1 tokens"),
     ],
 )
 def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):
