@@ -5,9 +5,10 @@ shape: {"error": {"message", "type", "param", "code"}}), and POST /v1/chat/compl
 fine-tuned one (data/chat.py's template; a base model answers it with a 400); the requests
 decode together
 (inference/batching.py). GET / is the page (inference/page.html), drawn from two JSON endpoints:
-POST /api/attention (S of every layer for a text) and POST /api/causality (how far each
-position's next-token distribution moves when one token is replaced). GET /api/info holds the
-model's shape, the limits and the jobs decoding and waiting. Nothing else is served.
+POST /api/attention (S of every layer for a text), POST /api/formula (one layer and head of the
+formula, step by step: inference/attention_plot.py's formula_view) and POST /api/causality (how
+far each position's next-token distribution moves when one token is replaced). GET /api/info
+holds the model's shape, the limits and the jobs decoding and waiting. Nothing else is served.
 
 Safe by default: it binds 127.0.0.1; every request is bounded (body bytes, prompt tokens,
 max_tokens, n, jobs queued: 429 past it, page views too); an API key, when set, is required as
@@ -45,11 +46,11 @@ from starlette.requests import ClientDisconnect
 from tiktoken import Encoding
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from base.errors import check, is_int, user_errors
+from base.errors import ConfigError, check, is_int, user_errors
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from data.chat import IM_END, IM_START, generation_prompt, render
 from hardware.device import decoding_dtype, resolve_device
-from inference.attention_plot import token_labels
+from inference.attention_plot import formula_view, token_labels
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
 from model import GPT
@@ -145,6 +146,14 @@ class AttentionRequest(Strict):
 
     text: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+
+
+class FormulaRequest(AttentionRequest):
+    """The attention view's text or conversation, and the layer, head and query row to show."""
+
+    layer: int = Field(0, ge=0)
+    head: int = Field(0, ge=0)
+    row: int | None = Field(None, ge=0)  # None: the last token's
 
 
 class CausalityRequest(Strict):
@@ -441,6 +450,26 @@ class Server:
     def attention(self, req: AttentionRequest) -> dict:
         """S of every head of every layer over the text's first page_tokens tokens, or over a
         conversation's last page_tokens (its newest reply), with where each turn starts."""
+        page = self.view_tokens(req)
+        idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
+        probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
+        heads = probs.mul(1e6).round().div(1e6).tolist()  # 6 decimals: 3 MB at 8 x 4 x 64²
+        return {**page, "heads": heads}
+
+    def formula(self, req: FormulaRequest) -> dict:
+        """One layer and head of the formula, step by step (formula_view), over the tokens the
+        attention view shows."""
+        page = self.view_tokens(req)
+        idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
+        try:
+            view = formula_view(self.model, idx, req.layer, req.head, req.row)
+        except ConfigError as e:  # "<field>=<value> is out of range: ..."
+            raise ApiError(400, str(e), str(e).split("=")[0]) from None
+        return {**page, **view}
+
+    def view_tokens(self, req: AttentionRequest) -> dict:
+        """The ids a page view shows: the text's first page_tokens tokens, or a conversation's
+        last page_tokens (its newest reply), their labels, and where each turn starts."""
         limit = self.limits["page_tokens"]
         if (req.text is None) == (req.messages is None):
             raise ApiError(400, "send either text or messages", "text")
@@ -453,12 +482,9 @@ class Server:
             messages = [m.model_dump() for m in req.messages]
             every = render(messages, self.tokenizer, generation_prompt=False)[0]
             ids = every[-limit:]
-        idx = torch.tensor([ids], device=self.model.lm_head.weight.device)
-        probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
         return {
             "ids": ids,
             "tokens": token_labels(self.tokenizer, ids),
-            "heads": probs.mul(1e6).round().div(1e6).tolist(),  # 6 decimals: 3 MB at 8 x 4 x 64²
             "truncated": len(every) > len(ids),
             "turns": [i for i, token in enumerate(ids) if token == self.start],  # <|im_start|>
         }
@@ -578,6 +604,10 @@ def create_app(server: Server) -> FastAPI:
     @api.post("/api/attention")
     async def attention(request: Request) -> dict:
         return await server.view(request, AttentionRequest, server.attention)
+
+    @api.post("/api/formula")
+    async def formula(request: Request) -> dict:
+        return await server.view(request, FormulaRequest, server.formula)
 
     @api.post("/api/causality")
     async def causality(request: Request) -> dict:

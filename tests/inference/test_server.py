@@ -304,6 +304,26 @@ def test_the_pages_endpoints_are_bounded_and_show_causality(server):
         assert status == 400 and answer["error"]["param"] == param, answer
 
 
+def test_the_formula_view_shows_the_attention_views_s_step_by_step(server):
+    """/api/formula: one layer and head of the formula over the attention view's tokens, its S
+    the attention view's, the masked triangle null, the chosen row's computation; a layer,
+    head or row out of range is a 400 naming it."""
+    _, _, attention = request(server, "POST", "/api/attention", {"text": TOO_LONG})
+    body = {"text": TOO_LONG, "layer": 1, "head": 1, "row": 5}
+    status, _, view = request(server, "POST", "/api/formula", body)
+    assert status == 200 and view["truncated"] and view["ids"] == attention["ids"]
+    assert view["steps"]["S"] == attention["heads"][1][1]  # the same S, step by step
+    assert view["steps"]["masked"][5][6] is None and view["steps"]["masked"][5][5] is not None
+    assert view["row"]["i"] == 5 and len(view["row"]["weights"]) == 6
+    assert abs(sum(view["row"]["weights"]) - 1) < 1e-6 and len(view["heads"]["shares"]) == 2
+    for bad, param in [({"layer": 2}, "layer"), ({"head": 2}, "head"), ({"row": 32}, "row")]:
+        status, _, answer = request(server, "POST", "/api/formula", {**body, **bad})
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert "is out of range: " in answer["error"]["message"]
+    status, _, answer = request(server, "POST", "/api/formula", {**body, "layer": -1})
+    assert status == 400 and answer["error"]["param"] == "layer"  # the schema's ge=0
+
+
 def test_extreme_settings_end_their_own_request_and_spare_the_others(server):
     """Valid settings that leave no distribution (temperature, penalty or top_p near 0) draw
     the greedy token; a stream decoding beside them ends with all its tokens and no error."""
@@ -388,7 +408,8 @@ def small_server(**limits) -> Server:
     return Server(model.eval(), get_tokenizer("gpt2"), "m", values, hosts=None)
 
 
-def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in_process):
+@pytest.mark.parametrize("view", ["attention", "formula"])
+def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in_process, view):
     """One view runs at a time (here held at an exact point); past max_queue waiting, a 429
     with Retry-After; a waiting view whose client hangs up leaves the queue and never runs."""
     server = small_server(max_batch=1, max_queue=1, max_tokens=8, max_n=1)
@@ -400,20 +421,20 @@ def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in
         assert release.wait(60)
         return {"text": req.text}
 
-    server.attention = held_view
+    setattr(server, view, held_view)
     url = serve_in_process(server)
 
     def views() -> int:
         return request(url, "GET", "/api/info")[2]["views"]
 
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(request, url, "POST", "/api/attention", {"text": "a"})
+        first = pool.submit(request, url, "POST", f"/api/{view}", {"text": "a"})
         assert entered.wait(60)  # "a" runs
         waiting = http.client.HTTPConnection(urlsplit(url).netloc, timeout=60)
-        waiting.request("POST", "/api/attention", json.dumps({"text": "b"}).encode(), JSON)
+        waiting.request("POST", f"/api/{view}", json.dumps({"text": "b"}).encode(), JSON)
         while views() < 2:  # "b" is queued
             time.sleep(0.01)
-        status, headers, answer = request(url, "POST", "/api/attention", {"text": "c"})
+        status, headers, answer = request(url, "POST", f"/api/{view}", {"text": "c"})
         assert (
             status == 429 and headers["Retry-After"] == "1" and "busy" in answer["error"]["message"]
         )
@@ -422,7 +443,7 @@ def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in
             time.sleep(0.01)
         release.set()
         assert first.result()[:3:2] == (200, {"text": "a"})
-    assert request(url, "POST", "/api/attention", {"text": "d"})[2] == {"text": "d"}
+    assert request(url, "POST", f"/api/{view}", {"text": "d"})[2] == {"text": "d"}
     assert shown == ["a", "d"]  # "b" never ran, "c" was refused
 
 
