@@ -4,6 +4,7 @@ every next-token distribution before j exactly unchanged."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -12,9 +13,11 @@ import openai
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.inference.conftest import request
 from tests.inference.test_chat import MESSAGES, save_chat_model, serve_url
 
 DRIVER = shutil.which("chromedriver")
@@ -84,6 +87,58 @@ def test_the_page_streams_shows_causal_attention_and_causality(server, browser, 
     assert "exactly 0" in browser.find_element(By.ID, "causality").text
     assert float(browser.find_element(By.ID, "after").get_attribute("data-value")) > 0
     browser.save_screenshot(str(tmp_path / "page.png"))
+    formula_view_shows_the_apis_numbers(browser, server, tmp_path)
+
+
+def formula_view_shows_the_apis_numbers(browser, url: str, tmp_path: Path) -> None:
+    """The formula view, after the attention view: its steps laid out in the formula's order,
+    the masked triangle marked, and the numbers /api/formula gives (asked here independently)
+    read back from the DOM: a hovered cell, a chosen row's computation, the sqrt(d_k) panel."""
+    wait = WebDriverWait(browser, 120)
+    dom = browser.execute_script
+    browser.find_element(By.ID, "formula_show").click()
+    wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
+    steps = dom("return [...document.querySelectorAll('#steps .grid')].map(g => g.dataset.step)")
+    assert steps == ["Q", "K", "QK", "scaled", "masked", "S", "V", "Y"]  # no qk_norm, no rope
+    body = dom("return {...shown, layer: Number($('layer').value), head: Number($('head').value)}")
+    T = len(dom("return view.ids"))
+    masked = dom(
+        "return [...document.querySelectorAll('#steps [data-step=masked] .cell')]"
+        ".map(c => [Number(c.dataset.i), Number(c.dataset.j), c.dataset.v, c.className])"
+    )
+    assert len(masked) == T * T
+    for i, j, v, kind in masked:
+        assert (v == "-inf" and "masked" in kind) if j > i else "masked" not in kind
+    cell = browser.find_element(
+        By.CSS_SELECTOR, f"#steps [data-step=S] [data-i='{T - 1}'][data-j='0']"
+    )
+    ActionChains(browser).move_to_element(cell).perform()
+    _, _, api = request(url, "POST", "/api/formula", {**body, "row": T - 1})
+    hover = wait.until(lambda b: b.find_element(By.ID, "formula_hover").text)
+    assert hover.startswith(f"S[{T - 1}][0] = exp(")  # "... / sum over keys 0..T-1 = <S>"
+    assert float(hover.rsplit("= ", 1)[1]) == pytest.approx(api["steps"]["S"][T - 1][0], rel=1e-3)
+
+    browser.find_elements(By.CSS_SELECTOR, "#tokens span")[4].click()  # query 4's row
+    wait.until(lambda b: b.execute_script("return formula.row.i") == 4)
+    _, _, api = request(url, "POST", "/api/formula", {**body, "row": 4})
+    table = dom(
+        "return [...document.querySelectorAll('#row_table tr')]"
+        ".map(r => [...r.children].map(c => c.textContent))"
+    )
+    assert table[0][1:] == [
+        f"{j} {json.dumps(t, ensure_ascii=False)}" for j, t in enumerate(api["tokens"][:5])
+    ]
+    shown = [float(x) for x in table[4][1:]]  # S[4][j]: the softmax row
+    assert shown == pytest.approx(api["row"]["weights"], rel=1e-3)
+    assert [float(x) for x in table[1][1:]] == pytest.approx(api["row"]["dots"], rel=1e-3)
+    var_raw = float(browser.find_element(By.ID, "var_raw").text)
+    assert var_raw == pytest.approx(api["sqrt_dk"]["var_raw"], rel=1e-2)
+    shares = dom(
+        "return [...document.querySelectorAll('#shares figure')].map(f => Number(f.dataset.share))"
+    )
+    assert shares == pytest.approx(api["heads"]["shares"])
+    browser.execute_script("document.getElementById('formula_view').scrollIntoView()")
+    browser.save_screenshot(str(tmp_path / "formula.png"))
 
 
 def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
@@ -125,3 +180,9 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     marked = browser.execute_script(f"return {rows}.map(c => Number(c.dataset.i))")
     assert sorted(set(marked)) == starts and len(marked) == sum(i + 1 for i in starts)
     assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap .cell")) == T * T
+
+    browser.find_element(By.ID, "formula_show").click()  # the formula over the conversation
+    wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
+    assert browser.execute_script("return formula.ids") == ids
+    masked = "#steps [data-step=masked] .cell.masked"
+    assert len(browser.find_elements(By.CSS_SELECTOR, masked)) == T * (T - 1) // 2
