@@ -22,6 +22,12 @@ TARGET = 4300
 
 # feature: [(module, the names in it that are the feature, or None for the whole module)]
 FEATURES = {
+    "the formula step by step: formula_steps, /api/formula, sample.py formula=, the page": [
+        ("model/gpt.py", ["GPT.formula_steps"]),
+        ("inference/attention_plot.py", ["formula_view", "_rounded", "row_lines"]),
+        ("inference/attention_plot.py", ["plot_formula"]),
+        ("inference/server.py", ["FormulaRequest", "Server.formula"]),
+    ],
     "OpenAI-compatible server, request batching, live attention page": [
         ("serve.py", None),
         ("inference/server.py", None),

@@ -149,8 +149,10 @@ class AttentionRequest(Strict):
 
 
 class FormulaRequest(AttentionRequest):
-    """The attention view's text or conversation, and the layer, head and query row to show."""
+    """A text or a conversation of at most page_tokens tokens, or ids (the attention view's, as
+    the page sends them), and the layer, head and query row to show."""
 
+    ids: list[int] | None = Field(None, min_length=1)
     layer: int = Field(0, ge=0)
     head: int = Field(0, ge=0)
     row: int | None = Field(None, ge=0)  # None: the last token's
@@ -457,9 +459,22 @@ class Server:
         return {**page, "heads": heads}
 
     def formula(self, req: FormulaRequest) -> dict:
-        """One layer and head of the formula, step by step (formula_view), over the tokens the
-        attention view shows."""
-        page = self.view_tokens(req)
+        """One layer and head of the formula, step by step (formula_view), over `ids` or the
+        text's or conversation's tokens, at most page_tokens: a longer one is refused, not cut
+        as the attention view cuts it (the page sends that view's ids)."""
+        limit, n_vocab = self.limits["page_tokens"], self.tokenizer.n_vocab
+        if req.ids is None:
+            page = self.view_tokens(req)
+            param = "text" if req.messages is None else "messages"
+            if page["truncated"]:
+                why = f"{param} is over page_tokens={limit} tokens: send at most {limit}, or ids"
+                raise ApiError(400, why, param)
+        elif req.text is not None or req.messages is not None:
+            raise ApiError(400, "send one of ids, text or messages", "ids")
+        elif len(req.ids) > limit or not all(0 <= i < n_vocab for i in req.ids):
+            raise ApiError(400, f"ids must be at most {limit} of the tokenizer's ids", "ids")
+        else:
+            page = self.labelled(req.ids)
         idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
         try:
             view = formula_view(self.model, idx, req.layer, req.head, req.row)
@@ -482,10 +497,14 @@ class Server:
             messages = [m.model_dump() for m in req.messages]
             every = render(messages, self.tokenizer, generation_prompt=False)[0]
             ids = every[-limit:]
+        return self.labelled(ids, truncated=len(every) > len(ids))
+
+    def labelled(self, ids: list[int], truncated: bool = False) -> dict:
+        """ids, their labels, whether they were cut, and where each turn starts."""
         return {
             "ids": ids,
             "tokens": token_labels(self.tokenizer, ids),
-            "truncated": len(every) > len(ids),
+            "truncated": truncated,
             "turns": [i for i, token in enumerate(ids) if token == self.start],  # <|im_start|>
         }
 

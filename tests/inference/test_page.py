@@ -100,7 +100,9 @@ def formula_view_shows_the_apis_numbers(browser, url: str, tmp_path: Path) -> No
     wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
     steps = dom("return [...document.querySelectorAll('#steps .grid')].map(g => g.dataset.step)")
     assert steps == ["Q", "K", "QK", "scaled", "masked", "S", "V", "Y"]  # no qk_norm, no rope
-    body = dom("return {...shown, layer: Number($('layer').value), head: Number($('head').value)}")
+    body = dom(
+        "return {ids: view.ids, layer: Number($('layer').value), head: Number($('head').value)}"
+    )
     T = len(dom("return view.ids"))
     masked = dom(
         "return [...document.querySelectorAll('#steps [data-step=masked] .cell')]"

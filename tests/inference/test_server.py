@@ -309,9 +309,11 @@ def test_the_formula_view_shows_the_attention_views_s_step_by_step(server):
     the attention view's, the masked triangle null, the chosen row's computation; a layer,
     head or row out of range is a 400 naming it."""
     _, _, attention = request(server, "POST", "/api/attention", {"text": TOO_LONG})
-    body = {"text": TOO_LONG, "layer": 1, "head": 1, "row": 5}
+    body = {"ids": attention["ids"], "layer": 1, "head": 1, "row": 5}  # as the page sends it
     status, _, view = request(server, "POST", "/api/formula", body)
-    assert status == 200 and view["truncated"] and view["ids"] == attention["ids"]
+    assert (
+        status == 200 and view["ids"] == attention["ids"] and view["tokens"] == attention["tokens"]
+    )
     assert view["steps"]["S"] == attention["heads"][1][1]  # the same S, step by step
     assert view["steps"]["masked"][5][6] is None and view["steps"]["masked"][5][5] is not None
     assert view["row"]["i"] == 5 and len(view["row"]["weights"]) == 6
@@ -322,6 +324,15 @@ def test_the_formula_view_shows_the_attention_views_s_step_by_step(server):
         assert "is out of range: " in answer["error"]["message"]
     status, _, answer = request(server, "POST", "/api/formula", {**body, "layer": -1})
     assert status == 400 and answer["error"]["param"] == "layer"  # the schema's ge=0
+    # a text over the cap is refused with the fix, not cut; one that fits is the same view
+    status, _, answer = request(server, "POST", "/api/formula", {"text": TOO_LONG})
+    assert status == 400 and answer["error"]["message"].startswith("text is over page_tokens=32")
+    text = "".join(attention["tokens"][:6]).replace("␣", " ")
+    status, _, short = request(server, "POST", "/api/formula", {"text": text, "row": 3})
+    assert status == 200 and short["ids"] == attention["ids"][:6] and not short["truncated"]
+    for bad in ({**body, "text": "a"}, {**body, "ids": attention["ids"] * 2}, {"ids": [50257]}):
+        status, _, answer = request(server, "POST", "/api/formula", bad)
+        assert status == 400 and answer["error"]["param"] == "ids", answer
 
 
 def test_extreme_settings_end_their_own_request_and_spare_the_others(server):
