@@ -333,6 +333,8 @@ def test_the_formula_view_shows_the_attention_views_s_step_by_step(server):
     for bad in ({**body, "text": "a"}, {**body, "ids": attention["ids"] * 2}, {"ids": [50257]}):
         status, _, answer = request(server, "POST", "/api/formula", bad)
         assert status == 400 and answer["error"]["param"] == "ids", answer
+    status, _, answer = request(server, "POST", "/api/formula", {"messages": []})
+    assert status == 400 and answer["error"]["param"] == "messages"  # an empty conversation
 
 
 def test_extreme_settings_end_their_own_request_and_spare_the_others(server):
