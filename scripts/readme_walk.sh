@@ -39,13 +39,14 @@ cd "$CLONE"
 # leaves that torch alone; installing and training / testing are one command each. Under CI
 # the venv is .ci/run's, made fresh by the same commands.
 VENV='python3 -m venv .venv && . .venv/bin/activate'
-INSTALL='pip install -e ".[dev]"'
+INSTALL='pip install -e .'
+DEV_INSTALL='pip install -e ".[dev]"'
 grep -Fq -- "$VENV" README.md || fail "README lost its venv command"
 grep -Fq -- "pip install torch --index-url https://download.pytorch.org/whl/cpu" README.md || fail "README lost its CPU torch command"
 grep -Fq -- "$INSTALL && python train.py" README.md || fail "README lost its train command"
-grep -Fq -- "$INSTALL && python -m pytest -q" README.md || fail "README lost its test command"
+grep -Fq -- "$DEV_INSTALL && python -m pytest -q" README.md || fail "README lost its test command"
 
-step "install: $VENV, torch==2.13.0, $INSTALL"
+step "install: $VENV, torch==2.13.0, $INSTALL, then $DEV_INSTALL (openai, for the chat step)"
 if [ -n "${VIRTUAL_ENV:-}" ]; then
     # .ci/run built the active venv from scratch with these same commands minutes ago: the
     # README's install runs into it (every requirement already there) without a second
@@ -57,6 +58,7 @@ else
     python -m pip install --quiet torch==2.13.0
 fi
 eval "python -m pip install --quiet ${INSTALL#pip install }"
+eval "python -m pip install --quiet ${DEV_INSTALL#pip install }"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 SHORT=(model=nano train.max_steps=40 train.eval_interval=20 train.ckpt_interval=20 train.log_interval=10)

@@ -60,9 +60,17 @@ CODE = [p for p in CODE if not any(part.startswith(".") for part in p.relative_t
 TOOLS = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
 
 
+# attention=triton's kernel, imported where it runs: its triton comes with a CUDA torch, or with
+# the dev extra for the tests under Triton's interpreter (pyproject.toml)
+KERNEL = ROOT / "model" / "triton_attention.py"
+
+
 def test_every_import_of_the_code_is_a_declared_dependency():
     assert len(CODE) > 20 and "regex" in _imports(CODE)  # the scan sees the code
-    assert _undeclared(CODE, _declared(PROJECT["dependencies"])) == {}
+    base = _declared(PROJECT["dependencies"])
+    assert _undeclared([p for p in CODE if p != KERNEL], base) == {}
+    assert _undeclared([KERNEL], base) == {"triton": ["triton"]}  # optional: the dev extra
+    assert _undeclared([KERNEL], base | _declared(PROJECT["optional-dependencies"]["dev"])) == {}
 
 
 def test_every_import_of_the_tests_and_benchmarks_is_declared_with_the_dev_extra():
