@@ -191,7 +191,7 @@ def test_evaluate_py_scores_a_triton_checkpoint_through_sdpa_where_the_kernel_ca
     path, _ = save_tiny_checkpoint(tmp_path, attention="triton")
     (tmp_path / "text.txt").write_text(TEXT * 3)
     cfg = dict(checkpoint=str(path), text_file=str(tmp_path / "text.txt"), task=None, tasks=[])
-    cfg |= dict(batch_size=2, stride=None, device="cpu", dtype="float32")
+    cfg |= dict(batch_size=2, stride=None, device="cpu", dtype="float32", dataset=None)
     with_kernel = evaluate_checkpoint(cfg, say=lambda line: None)
     monkeypatch.delenv("TRITON_INTERPRET")
     said = []

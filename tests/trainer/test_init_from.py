@@ -184,7 +184,8 @@ def test_sample_and_evaluate_take_a_gpt2_name(tmp_path, hf_gpt2_dir, monkeypatch
     assert len(texts) == 1 and len(get_tokenizer("gpt2").encode_ordinary(texts[0])) >= 1
     result = evaluate_checkpoint(
         {"checkpoint": "gpt2", "text_file": str(tmp_path / "val.txt"), "batch_size": 2,
-         "stride": None, "device": "cpu", "dtype": "float32", "task": None, "tasks": []}
+         "stride": None, "device": "cpu", "dtype": "float32", "task": None, "tasks": [],
+         "dataset": None}
     )  # fmt: skip
     assert result["tokens"] == len(get_tokenizer("gpt2").encode_ordinary(TEXT * 3))
     assert 9 < result["loss"] < 12  # a random model over 50257 tokens: about ln(50257) = 10.8
@@ -199,6 +200,7 @@ def test_evaluate_py_reports_the_same_loss_for_a_hf_dir_and_its_export(tmp_path,
     result = run_script("evaluate.py", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     cfg = {"checkpoint": str(out), "text_file": str(tmp_path / "val.txt"), "batch_size": 8,
-           "stride": None, "device": "cpu", "dtype": "auto", "task": None, "tasks": []}  # fmt: skip
+           "stride": None, "device": "cpu", "dtype": "auto", "task": None, "tasks": [],
+           "dataset": None}  # fmt: skip
     expected = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluate_checkpoint(cfg)["loss"] == expected["loss"]
