@@ -188,3 +188,43 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     assert browser.execute_script("return formula.ids") == ids
     masked = "#steps [data-step=masked] .cell.masked"
     assert len(browser.find_elements(By.CSS_SELECTOR, masked)) == T * (T - 1) // 2
+
+
+def test_a_long_conversation_in_the_page_leaves_out_its_oldest_turns_and_says_so(
+    serve_in_process, browser, tmp_path: Path
+):
+    """Six turns with the chat panel's own max tokens and temperature: once the conversation
+    is over max_prompt_tokens (128 here), the oldest turns are left out (the system message
+    kept), greyed, and the status says so; every reply is the server's for what was sent."""
+    url = serve_url(serve_in_process, save_chat_model(tmp_path / "run"))
+    wait = WebDriverWait(browser, 120)
+    browser.get(url)
+    wait.until(lambda b: b.find_element(By.ID, "chat").is_displayed())
+    cap = browser.find_element(By.ID, "cap").text  # one consistent statement of the limits
+    assert "a conversation's last 128" in cap and "may have 128 tokens (max_prompt_tokens)" in cap
+    for key, value in (("chat_max_tokens", "12"), ("chat_temperature", "0")):
+        browser.find_element(By.ID, key).clear()
+        browser.find_element(By.ID, key).send_keys(value)
+    browser.find_element(By.ID, "system").send_keys(MESSAGES[0]["content"])
+    status = browser.find_element(By.ID, "chat_status")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    for n in range(6):
+        browser.find_element(By.ID, "message").send_keys(f"Good morrow, my lord, turn {n}.")
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda b: status.get_attribute("data-state") in ("done", "failed"))
+        assert status.text.startswith("done: 12 tokens, finish_reason length"), status.text
+        sent = browser.execute_script("return kept().slice(0, -1)")  # what the reply answered
+        answer = client.chat.completions.create(
+            model="chat", messages=sent, temperature=0, max_tokens=12
+        )
+        reply = browser.find_elements(By.CSS_SELECTOR, "#conversation p.assistant")[-1].text
+        assert reply == "assistant" + answer.choices[0].message.content
+        browser.execute_script("arguments[0].dataset.state = ''", status)
+    dropped = int(status.get_attribute("data-dropped"))
+    assert dropped > 0 and f"the oldest {dropped} turns (greyed) were left out" in status.text
+    turns = browser.find_elements(By.CSS_SELECTOR, "#conversation p")
+    assert [p.get_attribute("class") for p in turns[: 1 + dropped]] == ["system"] + [
+        f"{p.get_attribute('class').split()[0]} dropped" for p in turns[1 : 1 + dropped]
+    ]
+    assert sent[0]["role"] == "system"  # kept, whatever was left out
+    browser.save_screenshot(str(tmp_path / "chat.png"))
