@@ -37,6 +37,7 @@ from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
 from data.chat import CHAT_TEMPLATE, IM_END
+from data.tokenizer import gpt2_bpe_files
 from model import GPTConfig
 
 EOT = "<|endoftext|>"
@@ -171,20 +172,24 @@ def _hf_config(config: GPTConfig, kind: str, eot: int) -> dict[str, Any]:
 
 def _tokenizer_json(tokenizer: tiktoken.Encoding) -> dict[str, Any]:
     """tokenizer.json of a tiktoken byte-level BPE (all of ours): the same split regex and
-    vocabulary. tiktoken merges the adjacent pair whose joined bytes rank lowest, so every split
-    of a token into two tokens is a merge, in the order of the joined token's rank (as
-    transformers' TikTokenConverter); tests check the ids on varied text."""
+    vocabulary. GPT-2's merges are its own 50,000 (merges.txt, the data-gym vocab.bpe tiktoken's
+    gpt2 is built from). A trained one's: tiktoken merges the adjacent pair whose joined bytes
+    rank lowest, so every split of a token into two tokens is a merge, in the order of the
+    joined token's rank (as transformers' TikTokenConverter); tests check the ids on varied text."""
     ranks = tokenizer._mergeable_ranks  # tiktoken has no public accessor for it nor the regex
 
     def spell(b: bytes) -> str:
         return "".join(BYTE_CHARS[x] for x in b)
 
-    merges = [
-        f"{spell(token[:i])} {spell(token[i:])}"  # no space inside: byte 32 is spelled Ġ
-        for token in sorted(ranks, key=ranks.get)
-        for i in range(1, len(token))
-        if token[:i] in ranks and token[i:] in ranks
-    ]
+    if tokenizer.name == "gpt2":
+        merges = gpt2_bpe_files()[1].read_text(encoding="utf-8").splitlines()[1:]  # "#version"
+    else:
+        merges = [
+            f"{spell(token[:i])} {spell(token[i:])}"  # no space inside: byte 32 is spelled Ġ
+            for token in sorted(ranks, key=ranks.get)
+            for i in range(1, len(token))
+            if token[:i] in ranks and token[i:] in ranks
+        ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
     split = {"type": "Split", "pattern": {"Regex": tokenizer._pat_str}, "behavior": "Isolated"}
     specials = {t: tokenizer.encode_single_token(t) for t in tokenizer.special_tokens_set}

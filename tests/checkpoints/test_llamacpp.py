@@ -20,7 +20,7 @@ import torch
 from base.errors import ConfigError
 from checkpoints import llamacpp
 from checkpoints.export import export_checkpoint
-from data.tokenizer import load_tokenizer
+from data.tokenizer import gpt2_bpe_files, load_tokenizer
 from tests.conftest import TEXT, TRICKY, save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,6 +202,9 @@ def test_the_tokens_and_merges_give_our_ids(tmp_path, name, pre):
     tokens, merges = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.merges")
     assert field(reader, "tokenizer.ggml.pre") == pre and len(tokens) == ours.n_vocab
     assert (merges == ["<|endoftext|> <|endoftext|>"]) == (name == "bytes")
+    if name == "gpt2":  # GPT-2's own merges.txt, exactly: 50,000 (every split of a token: 108,299)
+        assert merges == gpt2_bpe_files()[1].read_text(encoding="utf-8").splitlines()[1:]
+        assert len(merges) == 50_000
     for text in PROBES:
         assert llama_cpp_tokenize(text, tokens, merges, pre) == ours.encode_ordinary(text), text
 
