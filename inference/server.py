@@ -17,7 +17,8 @@ the batch at the next step; a bad request gets a 400 naming its field, never a t
 job's failure ends that job alone. A local server is reachable by every web page its user opens,
 so a request must name the server's own address as its Host (no DNS rebinding), come from no
 other origin, and carry JSON as application/json (a cross-site form cannot send it without the
-browser asking first); a client has `timeout_keep_alive` seconds to finish its headers.
+browser asking first); a client has `timeout_keep_alive` seconds to finish its headers, then
+body_timeout_s for its body, and past max_connections open a request gets a 503.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -46,7 +48,7 @@ from starlette.requests import ClientDisconnect
 from tiktoken import Encoding
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from base.errors import ConfigError, check, is_int, user_errors
+from base.errors import ConfigError, check, is_int, positive, user_errors
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from data.chat import IM_END, IM_START, generation_prompt, render
 from hardware.device import decoding_dtype, resolve_device
@@ -211,15 +213,12 @@ class Server:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             raise ApiError(415, f"send JSON as Content-Type: application/json, not {media!r}")
-        body = b""
         try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > (most := self.limits["max_body_bytes"]):
-                    # the rest is not read: the connection closes after the answer
-                    raise ApiError(413, f"the body is over {most} bytes", Connection="close")
-        except ClientDisconnect:  # gone before its body came: nobody to answer
-            raise ApiError(499, "the client closed the request") from None
+            body = await asyncio.wait_for(self.body(request), self.limits["body_timeout_s"])
+        except asyncio.TimeoutError:  # the rest is not read: the connection closes after the 408
+            deadline = self.limits["body_timeout_s"]
+            why = f"the body did not arrive within body_timeout_s={deadline} seconds"
+            raise ApiError(408, why, Connection="close") from None
         try:
             fields = json.loads(body)
         except (ValueError, RecursionError) as e:  # bad UTF-8 too; RecursionError: [[[[...
@@ -247,6 +246,19 @@ class Server:
             param = ".".join(str(p) for p in first["loc"][:1])
             shown = repr(first["input"])[:60]
             raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param) from None
+
+    async def body(self, request: Request) -> bytes:
+        """The body's bytes, at most max_body_bytes."""
+        body = b""
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > (most := self.limits["max_body_bytes"]):
+                    # the rest is not read: the connection closes after the answer
+                    raise ApiError(413, f"the body is over {most} bytes", Connection="close")
+        except ClientDisconnect:  # gone before its body came: nobody to answer
+            raise ApiError(499, "the client closed the request") from None
+        return body
 
     def encode(self, prompt: str | list[Message]) -> list[int]:
         """A prompt's tokens (sample.py's: <|endoftext|> for an empty one), or a conversation's
@@ -556,7 +568,14 @@ class HeaderDeadline(H11Protocol):
     """uvicorn's HTTP/1.1, where a request's headers must be complete `timeout_keep_alive`
     seconds after the connection opens or the last answer ends: uvicorn's own timer restarts at
     every byte, so a client sending headers a byte at a time (slowloris) would hold its
-    connection for ever."""
+    connection for ever. A client's doing is its answer, not the log's: uvicorn warns at every
+    connection past max_connections (its 503) and every invalid request, which a flood of them
+    would fill; errors still show."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logger = logging.getLogger("uvicorn.error.clients")
+        self.logger.setLevel(logging.ERROR)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -638,10 +657,13 @@ def create_app(server: Server) -> FastAPI:
 
 def limits(cfg: Mapping[str, Any]) -> dict:
     """The limits and the key, checked (before a model is loaded)."""
-    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1)
+    lows = dict(
+        max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1, max_connections=1
+    )
     values = {
         n: check(n, cfg[n], is_int(cfg[n], low), f"an integer >= {low}") for n, low in lows.items()
     }
+    values["body_timeout_s"] = positive("body_timeout_s", cfg["body_timeout_s"])
     for n in ("max_prompt_tokens", "page_tokens"):  # null: set by the model's block_size
         values[n] = check(n, cfg[n], cfg[n] is None or is_int(cfg[n], 1), "an integer >= 1 or null")
     key = cfg["api_key"] or os.environ.get(KEY_VARIABLE) or None
@@ -676,11 +698,20 @@ def main(cfg: Mapping[str, Any]) -> int:
         server = Server(model, ckpt.tokenizer(), str(name), values, allowed_hosts(host, where))
     server.batcher.start()
     print(f"serving {server.name} on http://{where} (the page: http://{where}/)", flush=True)
-    config = uvicorn.Config(
-        create_app(server), http=HeaderDeadline, log_level="warning", timeout_graceful_shutdown=1
-    )
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(server)).run(sockets=[sock])
     return 0
+
+
+def uvicorn_config(server: Server) -> uvicorn.Config:
+    """How uvicorn serves the app: the header deadline, and a 503 for a request that finds
+    max_connections others open (uvicorn counts its own)."""
+    return uvicorn.Config(
+        create_app(server),
+        http=HeaderDeadline,
+        log_level="warning",
+        timeout_graceful_shutdown=1,
+        limit_concurrency=server.limits["max_connections"] + 1,
+    )
 
 
 def model_name(source: str, path: Path) -> str:

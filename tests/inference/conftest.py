@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from checkpoints.store import save_checkpoint
-from inference.server import HeaderDeadline, Server, create_app
+from inference.server import Server, uvicorn_config
 from model import GPT, GPTConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -148,15 +148,15 @@ def wait_until_idle(url: str) -> dict:
 
 @pytest.fixture
 def serve_in_process() -> Iterator[Callable[[Server], str]]:
-    """serve_in_process(server) -> the base URL of create_app(server), served by uvicorn on a
-    thread of this process (so a test can reach into the Server) on a free local port; stopped
-    at the test's end. The socket listens before the thread starts: no wait for readiness."""
+    """serve_in_process(server) -> the base URL of create_app(server), served by uvicorn as
+    serve.py serves it, on a thread of this process (so a test can reach into the Server) on a
+    free local port; stopped at the test's end. The socket listens before the thread starts: no
+    wait for readiness."""
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(server: Server) -> str:
         sock = socket.create_server(("127.0.0.1", 0))
-        config = uvicorn.Config(create_app(server), http=HeaderDeadline, log_level="warning")
-        served = uvicorn.Server(config)
+        served = uvicorn.Server(uvicorn_config(server))
         thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         running.append((served, thread))

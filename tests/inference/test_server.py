@@ -253,6 +253,8 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
     [
         (["port=70000"], "error: port must be an integer in [0, 65535], got 70000"),
         (["max_batch=0"], "error: max_batch must be an integer >= 1, got 0"),
+        (["body_timeout_s=0"], "error: body_timeout_s must be positive, got 0"),
+        (["max_connections=0"], "error: max_connections must be an integer >= 1, got 0"),
         (["checkpoint=/no/such/run"], "error: "),
         (["host=0.0.0.0", "checkpoint=/no/such/run"], "warning: host=0.0.0.0: anyone who can"),
         (["page_tokens=100000"], "error: page_tokens must be at most the model's block_size, 32"),
@@ -417,7 +419,8 @@ def small_server(**limits) -> Server:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
     values = dict(max_batch=4, max_queue=4, max_tokens=300, max_n=4, max_body_bytes=10_000)
-    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None) | limits
+    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None, body_timeout_s=60)
+    values |= dict(max_connections=64) | limits
     return Server(model.eval(), get_tokenizer("gpt2"), "m", values, hosts=None)
 
 
@@ -458,6 +461,39 @@ def test_page_views_wait_in_a_bounded_queue_and_leave_with_their_client(serve_in
         assert first.result()[:3:2] == (200, {"text": "a"})
     assert request(url, "POST", f"/api/{view}", {"text": "d"})[2] == {"text": "d"}
     assert shown == ["a", "d"]  # "b" never ran, "c" was refused
+
+
+def test_a_stalled_body_gets_408_and_connections_past_the_cap_503(serve_in_process, capfd):
+    """Issue 50 item 3: connections that sent headers and one body byte held a server for ever
+    (58 of them filled its open files). A body has body_timeout_s after its headers (then 408,
+    the connection closed); a request that finds max_connections others open gets a 503, which
+    the log does not repeat; with the stalled ones gone, a request is answered. The deadline
+    has only to outlast sending the third request once the two are reading their bodies."""
+    server, reading = small_server(body_timeout_s=5, max_connections=2), threading.Semaphore(0)
+    body = server.body
+
+    async def counted(request):  # a request past the cap's check, reading its body
+        reading.release()
+        return await body(request)
+
+    server.body = counted
+    url = serve_in_process(server)
+    address = urlsplit(url).hostname, urlsplit(url).port
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
+    head += "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"  # 1 byte of 100
+    stalled = [socket.create_connection(address, timeout=60) for _ in range(2)]
+    for sock in stalled:
+        sock.sendall(head.encode())
+        assert reading.acquire(timeout=60)
+    status, _, answer = request(url, "GET", "/v1/models", parse=bytes.decode)
+    assert status == 503 and answer == "Service Unavailable"
+    for sock in stalled:
+        with sock, sock.makefile("rb") as answers:
+            answer = answers.read()  # to the server's close
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s=5 seconds" in answer
+    server.batcher.start()
+    assert request(url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})[0] == 200
+    assert "limit" not in capfd.readouterr().err  # uvicorn's "Exceeded concurrency limit."
 
 
 SAMPLING_FIELDS = st.fixed_dictionaries(  # each valid field in range or at its extremes
