@@ -33,7 +33,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -676,6 +676,12 @@ def main(cfg: Mapping[str, Any]) -> int:
     with user_errors():
         host, port, values = str(cfg["host"]), cfg["port"], limits(cfg)
         check("port", port, is_int(port, 0) and port < 65536, "an integer in [0, 65535]")
+        named = cfg["allowed_hosts"]
+        named = [named] if isinstance(named, str) else named  # one name, bare
+        hostnames = "a list of host names like '[myhost.lan, 10.0.0.5]', or null"
+        ok = isinstance(named, Sequence) and len(named) > 0
+        ok = ok and all(isinstance(n, str) and n for n in named)
+        check("allowed_hosts", named, named is None or ok, hostnames)
         if host not in LOOPBACK:
             keyless = "" if values["api_key"] else f" (no API key: api_key= or {KEY_VARIABLE})"
             warning = f"host={host}: anyone who can reach this port can use the model{keyless}"
@@ -695,7 +701,8 @@ def main(cfg: Mapping[str, Any]) -> int:
             values[n] = check(n, values[n], (values[n] or 0) <= block, most) or default
         name = cfg["name"] or model_name(str(source), ckpt.path)
         where = f"{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
-        server = Server(model, ckpt.tokenizer(), str(name), values, allowed_hosts(host, where))
+        hosts = allowed_hosts(host, where, named)
+        server = Server(model, ckpt.tokenizer(), str(name), values, hosts)
     server.batcher.start()
     print(f"serving {server.name} on http://{where} (the page: http://{where}/)", flush=True)
     uvicorn.Server(uvicorn_config(server)).run(sockets=[sock])
@@ -723,9 +730,12 @@ def model_name(source: str, path: Path) -> str:
     return path.parents[1].name if path.parent.name == "checkpoints" else path.name
 
 
-def allowed_hosts(host: str, where: str) -> set[str] | None:
-    """The Host headers a request may carry: the address served (`where`, host:port), and on
-    loopback its other names; None (any) for a wildcard address, which has no one name."""
+def allowed_hosts(host: str, where: str, named: Sequence[str] | None) -> set[str] | None:
+    """The Host headers a request may carry, each with the port: the names given (the
+    allowed_hosts key), else the address served (`where`, host:port), and on loopback its other
+    names; None (any) for a wildcard address, which has no one name."""
     served, port = where.rsplit(":", 1)
-    names = ["127.0.0.1", "localhost", "[::1]"] if host in LOOPBACK else [served]
-    return None if host in ("0.0.0.0", "::") else {f"{name}:{port}" for name in names}
+    names = named or (["127.0.0.1", "localhost", "[::1]"] if host in LOOPBACK else [served])
+    if host in ("0.0.0.0", "::") and not named:
+        return None
+    return {f"{name}:{port}" for name in names}

@@ -255,6 +255,8 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
         (["max_batch=0"], "error: max_batch must be an integer >= 1, got 0"),
         (["body_timeout_s=0"], "error: body_timeout_s must be positive, got 0"),
         (["max_connections=0"], "error: max_connections must be an integer >= 1, got 0"),
+        (["allowed_hosts=[]"], "error: allowed_hosts must be a list of host names like"),
+        (["allowed_hosts=[5]"], "error: allowed_hosts must be a list of host names like"),
         (["checkpoint=/no/such/run"], "error: "),
         (["host=0.0.0.0", "checkpoint=/no/such/run"], "warning: host=0.0.0.0: anyone who can"),
         (["page_tokens=100000"], "error: page_tokens must be at most the model's block_size, 32"),
@@ -395,6 +397,26 @@ def test_the_same_origin_and_the_loopback_names_are_answered(server):
     body = {"prompt": "Hi", "max_tokens": 1}
     charset = {"Content-Type": "Application/JSON; charset=utf-8", "Origin": server}
     assert request(server, "POST", "/v1/completions", body, charset)[0] == 200
+
+
+def test_allowed_hosts_names_the_hosts_a_wildcard_bind_answers_to(start_server):
+    """Issue 50 item 6: bound to 0.0.0.0, any Host was accepted and the Origin check compared
+    with it; allowed_hosts names the hosts (each with the port), and Origin must be one."""
+    url, _ = start_server("host=0.0.0.0", "allowed_hosts=[myhost.lan, 10.0.0.5]")
+    port = urlsplit(url).port
+    for headers in (
+        {"Host": f"myhost.lan:{port}"},
+        {"Host": f"10.0.0.5:{port}", "Origin": f"http://10.0.0.5:{port}"},
+    ):
+        assert request(url, "GET", "/v1/models", headers=headers)[0] == 200
+    for headers, status, says in [
+        ({"Host": f"evil.example:{port}"}, 400, f"answers to 10.0.0.5:{port}, not 'evil.example"),
+        ({"Host": f"0.0.0.0:{port}"}, 400, "answers to"),
+        ({"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}, 400, "answers"),
+        ({"Host": f"myhost.lan:{port}", "Origin": f"http://evil.example:{port}"}, 403, "origins"),
+    ]:
+        code, _, answer = request(url, "GET", "/v1/models", headers=headers)
+        assert code == status and says in answer["error"]["message"]
 
 
 def test_a_413_and_unfinished_headers_close_the_connection(server):
