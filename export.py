@@ -2,6 +2,7 @@
 `... out=model.gguf format=gguf` (configs/export.yaml)."""
 
 import hydra
+from gguf import GGUFReader
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import user_errors
@@ -12,7 +13,9 @@ from checkpoints.export import export_checkpoint
 def main(cfg: DictConfig) -> None:
     with user_errors():
         out = export_checkpoint(OmegaConf.to_container(cfg, resolve=True))
-    if cfg.format == "gguf":  # -n 32: within the positions of a learned-position model
+    if cfg.format == "gguf" and "tokenizer.chat_template" in GGUFReader(out).fields:
+        how = f"chat with it in llama.cpp (its template formats the turns): llama-cli -m {out}"
+    elif cfg.format == "gguf":  # -n 32: within the positions of a learned-position model
         how = f"run it with llama.cpp, e.g. llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'"
     else:
         how = f"load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"

@@ -232,6 +232,24 @@ def test_a_refused_option_is_one_line_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "meta, vocab_size, command",
+    [
+        ({}, 50257, "llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'\n"),
+        ({"chat_template": "chatml"}, 50259, "llama-cli -m {out}\n"),
+    ],
+)
+def test_export_py_says_how_to_run_the_gguf(tmp_path, meta, vocab_size, command):
+    """Issue 50 item 17: a chat model's hint was a completion of 'ROMEO:'; it is llama.cpp's chat,
+    which formats the turns with the GGUF's template."""
+    path, _ = save_tiny_checkpoint(tmp_path, meta, vocab_size=vocab_size)
+    out = tmp_path / "model.gguf"
+    command = command.format(out=out)
+    args = [sys.executable, "export.py", f"checkpoint={path}", f"out={out}", "format=gguf"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.endswith(command), result.stderr
+
+
+@pytest.mark.parametrize(
     "options, named",
     [
         ({"mlp": "relu2"}, "model.mlp='relu2' has no equivalent in llama.cpp's gpt2"),
