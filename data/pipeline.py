@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from base.errors import CONFIG_DIR, DataError
 from base.files import atomic_path, sha256_file, writable_error, write_atomic
 from data.chat import TEMPLATE, chat_tokenizer, problem, render
-from data.sources import get_source
+from data.sources import get_source, progress_bars
 from data.tokenizer import (
     TOKENIZER_FILE,
     cache_key,
@@ -241,16 +241,18 @@ def write_split(
     multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
     threads = 1 if multiprocess else num_proc
     if big:  # through datasets.map, for its worker processes and its progress bar (a small
-        # split's bar would only add noise to the console's one summary line per split)
+        # split's bar would only add noise to the console's one summary line per split), on a
+        # terminal: in a log, the bar is one long line of carriage returns
         kwargs = {"tokenizer": tokenizer, "tokenizer_dir": tokenizer_dir, "num_threads": threads}
-        tokenized = docs.map(
-            encode_documents,
-            batched=True,
-            batch_size=MAP_BATCH_SIZE,
-            fn_kwargs=kwargs,
-            remove_columns=docs.column_names,
-            **({"num_proc": num_proc} if multiprocess else {}),
-        )
+        with progress_bars(sys.stderr.isatty()):
+            tokenized = docs.map(
+                encode_documents,
+                batched=True,
+                batch_size=MAP_BATCH_SIZE,
+                fn_kwargs=kwargs,
+                remove_columns=docs.column_names,
+                **({"num_proc": num_proc} if multiprocess else {}),
+            )
         batches = tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
     else:  # in this process, with `threads` tokenizer threads
         batches = (

@@ -20,7 +20,8 @@ import hashlib
 import importlib.util
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
@@ -239,11 +240,24 @@ def check_json_lines(path: Path, field: str) -> None:
                 )
 
 
+@contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """datasets' progress bars off within unless `shown`; as they were after."""
+    import datasets
+
+    before = datasets.is_progress_bar_enabled()
+    if not shown:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if before:
+            datasets.enable_progress_bars()
+
+
 def load_chat_files(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """Conversations, one per JSON line or parquet row with a ``messages`` column: ``val_files``
     when given, else a seeded ``val_fraction`` of the conversations."""
-    import datasets
-
     field, splits = cfg.get("messages_field", "messages"), {}
     for split, paths in _file_lists(cfg).items():
         builders = {CHAT_BUILDERS.get(path.suffix) for path in paths}
@@ -256,11 +270,8 @@ def load_chat_files(cfg: dict[str, Any]) -> dict[str, Dataset]:
             if path.suffix == ".jsonl":
                 check_json_lines(path, field)
         if paths:  # without datasets' "Generating train split" bars: local files load at once
-            datasets.disable_progress_bars()
-            try:
+            with progress_bars(False):
                 ds = load_dataset(builders.pop(), None, "train", data_files=list(map(str, paths)))
-            finally:
-                datasets.enable_progress_bars()
             splits[split] = _column(ds, field, "messages", str(paths[0]))
     if "val" not in splits:
         fraction, seed = float(cfg.get("val_fraction", 0.1)), int(cfg.get("seed", 0))

@@ -15,7 +15,7 @@ import torch
 
 from data.chat import CHAT_TEMPLATE, IM_END, IM_START, chat_tokenizer, play_conversations, render
 from data.loader import _windows
-from data.pipeline import prepare_data
+from data.pipeline import MIN_DOCS_PER_PROC, prepare_data
 from data.sources import VAL_PLAYS, load_chat_plays, play_files
 from data.tokenizer import get_tokenizer, train_bpe
 from model import GPT
@@ -165,6 +165,18 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path: Path) -> None:
         "1 with messages that are not a list, 2 with no assistant turn"
     ) in proc.stdout
     assert json.loads(proc.stdout.splitlines()[-1])["train"]["documents"] == 2
+
+
+def test_a_log_gets_no_map_progress_bar(tmp_path: Path) -> None:
+    """Issue 50 item 17: a split of MIN_DOCS_PER_PROC conversations or more is tokenized through
+    datasets.map, whose "Map:" bar landed in a log (stderr not a terminal, as here) as one long
+    line of carriage returns."""
+    train = write_jsonl(tmp_path / "train.jsonl", [{"messages": CONVERSATION}] * MIN_DOCS_PER_PROC)
+    proc = prepare(
+        tmp_path, train, write_jsonl(tmp_path / "val.jsonl", [{"messages": CONVERSATION}])
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f'"documents": {MIN_DOCS_PER_PROC}' in proc.stdout and "Map" not in proc.stderr
 
 
 @pytest.mark.parametrize(
