@@ -488,16 +488,25 @@ class Trainer:
 
     def _announce(self) -> None:
         """What is about to be trained, on what, for how long, and where it goes; then the bar."""
-        world = self.dist.world_size
+        world, train = self.dist.world_size, self.cfg.train
         ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
+        val, budget = len(self.data.tokens("val")), f"budget: {self.budget}"
+        if train.max_seconds:  # what the clock leaves out (issue 50: 300 s ran 504 s)
+            final = {
+                "whole": f" and the final evaluation of the whole validation split ({val:,} "
+                "tokens; train.final_eval=periodic evaluates train.eval_steps batches instead)",
+                "periodic": " and the final evaluation (train.eval_steps batches)",
+                "none": "",
+            }[train.final_eval]
+            budget += f"\nnot counted in train.max_seconds: start-up{final}"
         self.progress.message(
             f"run dir: {self.run_dir}\n"
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
             f"data: {self.data.meta['dataset']} ({self.data.tokenizer_name}), "
-            f"{len(self.data.tokens('train')):,} train / {len(self.data.tokens('val')):,} val "
+            f"{len(self.data.tokens('train')):,} train / {val:,} val "
             f"tokens\ndevice: {self.device}{ranks}, {self.precision.dtype}"
             f"{f' ({self.precision.why})' if self.precision.why else ''}, "
-            f"MFU vs {self.peak_source}\nbudget: {self.budget}\n{self.tracker.location}"
+            f"MFU vs {self.peak_source}\n{budget}\n{self.tracker.location}"
         )
         if self.resumed_from is not None:
             self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")

@@ -114,6 +114,30 @@ def test_a_time_budget_alone_ends_the_run_when_max_steps_is_not_set(
     assert "budget: 16 s of training (train.max_seconds)\n" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "final_eval, said",
+    [
+        ("whole", " and the final evaluation of the whole validation split ({val:,} tokens; "
+         "train.final_eval=periodic evaluates train.eval_steps batches instead)\n"),
+        ("periodic", " and the final evaluation (train.eval_steps batches)\n"),
+        ("none", "\n"),
+    ],
+)  # fmt: skip
+def test_the_budget_line_says_what_max_seconds_does_not_count(
+    tmp_path, corpus, monkeypatch, capsys, final_eval, said
+):
+    """Issue 50 item 14: train.max_seconds=300 ran 504 s (start-up and the whole split's final
+    evaluation on top) and nothing said so when the run started."""
+    trainer = make_trainer(
+        tmp_path, corpus, *QUIET, "train.max_seconds=4", f"train.final_eval={final_eval}"
+    )
+    monkeypatch.setattr("trainer.loop.time", FakeClock(trainer, step_seconds=2.0))
+    trainer.run()
+    said = said.format(val=len(trainer.data.tokens("val")))
+    budget = "budget: 12 steps or 4 s of training (train.max_seconds), whichever comes first\n"
+    assert budget + "not counted in train.max_seconds: start-up" + said in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("max_steps, max_seconds, stopped", [(12, 100, 12), (12, 10, 5)])
 def test_with_both_set_whichever_comes_first_ends_the_run_as_announced(
     tmp_path, corpus, monkeypatch, capsys, max_steps, max_seconds, stopped
