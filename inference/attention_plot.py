@@ -140,6 +140,7 @@ def formula_view(
         p = scores[i, : i + 1].softmax(-1)
         return p.max().item(), -(p * p.clamp_min(1e-300).log()).sum().item()
 
+    (largest, entropy), (largest_unscaled, entropy_unscaled) = weights(scaled), weights(raw)
     exps = (scaled[i, : i + 1] - scaled[i, : i + 1].max()).exp()
     per_head = {k: v[head] for k, v in steps.items() if v.dim() == 3}
     per_layer = {k: v for k, v in steps.items() if v.dim() == 2 and k != "forward"}
@@ -153,10 +154,10 @@ def formula_view(
         "sqrt_dk": {
             "var_raw": raw[visible].var().item(),
             "var_scaled": scaled[visible].var().item(),
-            "largest": weights(scaled)[0],
-            "entropy": weights(scaled)[1],
-            "largest_unscaled": weights(raw)[0],
-            "entropy_unscaled": weights(raw)[1],
+            "largest": largest,
+            "entropy": entropy,
+            "largest_unscaled": largest_unscaled,
+            "entropy_unscaled": entropy_unscaled,
         },
         "row": {
             "i": i,
