@@ -474,7 +474,7 @@ class Server:
         """One layer and head of the formula, step by step (formula_view), over `ids` or the
         text's or conversation's tokens, at most page_tokens: a longer one is refused, not cut
         as the attention view cuts it (the page sends that view's ids)."""
-        limit, n_vocab = self.limits["page_tokens"], self.tokenizer.n_vocab
+        limit = self.limits["page_tokens"]
         if req.ids is None:
             page = self.view_tokens(req)
             param = "text" if req.messages is None else "messages"
@@ -483,7 +483,7 @@ class Server:
                 raise ApiError(400, why, param)
         elif req.text is not None or req.messages is not None:
             raise ApiError(400, "send one of ids, text or messages", "ids")
-        elif len(req.ids) > limit or not all(0 <= i < n_vocab for i in req.ids):
+        elif not self.page_ids(req.ids):
             raise ApiError(400, f"ids must be at most {limit} of the tokenizer's ids", "ids")
         else:
             page = self.labelled(req.ids)
@@ -511,6 +511,11 @@ class Server:
             ids = every[-limit:]
         return self.labelled(ids, truncated=len(every) > len(ids))
 
+    def page_ids(self, ids: list[int]) -> bool:
+        """Whether a page view may take `ids`: at most page_tokens of the tokenizer's ids."""
+        n_vocab = self.tokenizer.n_vocab
+        return len(ids) <= self.limits["page_tokens"] and all(0 <= i < n_vocab for i in ids)
+
     def labelled(self, ids: list[int], truncated: bool = False) -> dict:
         """ids, their labels, whether they were cut, and where each turn starts."""
         return {
@@ -527,8 +532,7 @@ class Server:
         ids, j, limit = req.ids, req.position, self.limits["page_tokens"]
         new = self.tokenizer.encode_ordinary(req.replacement)
         for ok, param, rule in [
-            (len(ids) <= limit and all(0 <= i < self.tokenizer.n_vocab for i in ids), "ids",
-             f"at most {limit} of the tokenizer's ids"),
+            (self.page_ids(ids), "ids", f"at most {limit} of the tokenizer's ids"),
             (j < len(ids), "position", "a position of ids"),
             (len(new) == 1, "replacement", "text that is one token"),
         ]:  # fmt: skip
@@ -689,9 +693,15 @@ def main(cfg: Mapping[str, Any]) -> int:
         device = resolve_device(str(cfg["device"]))
         dtype = decoding_dtype(str(cfg["dtype"]), device)
         ipv6 = ":" in host
-        sock = socket.create_server(
-            (host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET
-        )
+        try:
+            family = socket.AF_INET6 if ipv6 else socket.AF_INET
+            sock = socket.create_server((host, port), family=family)
+        except OSError as e:  # in use, not this machine's address, a privileged port
+            why = str(e.strerror).split(" (while attempting")[0]  # create_server's addition
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {why}; choose another port= "
+                "(port=0: any free one) or host="
+            ) from None
         source = cfg["checkpoint"] or find_checkpoint(None)  # null: the newest run
         ckpt = load_source(source, device, attention="manual")  # the mask explicit: see causality
         model = ckpt.model.to(dtype).eval()

@@ -261,6 +261,7 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
         (["host=0.0.0.0", "checkpoint=/no/such/run"], "warning: host=0.0.0.0: anyone who can"),
         (["page_tokens=100000"], "error: page_tokens must be at most the model's block_size, 32"),
         (["max_prompt_tokens=33"], "error: max_prompt_tokens must be at most the model's"),
+        (["port=TAKEN"], "error: cannot listen on 127.0.0.1:TAKEN: Address already in use;"),
     ],
 )
 def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path, serve_checkpoint):
@@ -268,13 +269,16 @@ def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path, serve_c
     cut to it without a word; they are refused."""
     if not any(a.startswith("checkpoint=") for a in args):
         args = [f"checkpoint={serve_checkpoint}", *args]
-    done = subprocess.run(
-        [sys.executable, str(SERVE_PY), *args],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port another program holds
+        port = str(taken.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, str(SERVE_PY), *(a.replace("TAKEN", port) for a in args)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    says = says.replace("TAKEN", port)
     assert done.returncode == 2
     assert done.stderr.startswith(says)
     assert done.stderr.strip().splitlines()[-1].startswith("error: ")
