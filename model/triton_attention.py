@@ -14,16 +14,19 @@ P = softmax(S), Y = P V; m and l are a row's running max and sum of exp(S - m), 
   dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q / sqrt(d_k);
   `_backward_dq`, one program per query tile, walks the key tiles as the forward does:
   dQ += dS K / sqrt(d_k). Each program owns the rows it writes, so no atomics are needed.
-- dropout on P: each element's keep-mask is a Philox random number (tl.rand) of a seed and the
-  element's (row, column), so the backward regenerates the forward's masks without storing them.
+- dropout on P: each element's keep-mask is a Philox random number (tl.rand) of the call's seed
+  and the element's index, so the backward regenerates the forward's masks without storing them.
   The softmax's sum l is taken before dropout, as flash and torch's dropout on S do.
 
 Scores, softmax and accumulators are float32; the matmul inputs stay in the input dtype (tensor
 cores for bfloat16 and float16; float32 multiplies in full float32, not TF32). A head size that
 is not a power of two (96) is padded to the next one in registers; a T that is not a multiple of
-the tile has its last tile masked. Where Triton has no backend (a CPU), it runs under Triton's
-interpreter when TRITON_INTERPRET=1 is set before Python starts (numpy: slow, for tests);
-model/gpt.py refuses it in one line anywhere else (`unavailable_attention`).
+the tile has its last tile masked. The (batch, head) index and the row positions are widened to
+64 bits before they multiply a stride: q, k and v are views of the fused (B, T, 3C) projection,
+whose B T 3C elements pass 2^31 at long contexts or in wide models, where 32-bit offsets would
+wrap silently. Where Triton has no backend (a CPU), it runs under Triton's interpreter when
+TRITON_INTERPRET=1 is set before Python starts (numpy: slow, for tests); model/gpt.py refuses it
+in one line anywhere else (`unavailable_attention`).
 
 `triton_causal_attention` is a torch custom operator whose backward is registered with
 torch.library, so torch.compile traces a model through it without a graph break.
@@ -60,14 +63,15 @@ def rows_of(X, pos, dims, stride_t, T, HS: tl.constexpr):
     """Rows `pos` of one (batch, head)'s X (T, HS): zeros past T (the ragged last tile) and past
     HS (a head size padded to a power of two)."""
     inside = (pos[:, None] < T) & (dims[None, :] < HS)
-    return tl.load(X + pos[:, None] * stride_t + dims[None, :], mask=inside, other=0.0)
+    return tl.load(X + pos[:, None].to(tl.int64) * stride_t + dims[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
 def store_rows(X, value, pos, dims, stride_t, T, HS: tl.constexpr):
     """Write `value` to rows `pos` of one (batch, head)'s X (T, HS), inside its bounds."""
     inside = (pos[:, None] < T) & (dims[None, :] < HS)
-    tl.store(X + pos[:, None] * stride_t + dims[None, :], value.to(X.dtype.element_ty), mask=inside)
+    at = X + pos[:, None].to(tl.int64) * stride_t + dims[None, :]
+    tl.store(at, value.to(X.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -77,15 +81,18 @@ def visible(q_pos, k_pos):
 
 
 @triton.jit
-def keep(seed, rows, cols, T, dropout_p):
-    """Dropout's keep-mask of the elements (rows, cols) of one (batch, head)'s P: a pure function
-    of its arguments, so forward and backward draw the same mask."""
-    return tl.rand(seed, rows * T + cols) >= dropout_p
+def keep(seed, bh, rows, cols, T, dropout_p):
+    """Dropout's keep-mask of the elements (rows, cols) of (batch, head) bh's P: a pure function
+    of its arguments, so forward and backward draw the same mask. Philox's counter is the
+    element's 64-bit index in the call's (B nh, T, T) scores and its key the call's seed: no two
+    elements of a call share a random number at any T, and calls with different seeds share
+    none (`seed + bh` with a 32-bit `rows * T + cols` repeated both)."""
+    return tl.rand(seed, (bh.to(tl.int64) * T + rows) * T + cols) >= dropout_p
 
 
 @triton.jit
 def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
-                   dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """The online softmax over the key tiles [k_lo, k_hi) for one query tile; MASKED: the tiles
     crossing the diagonal (and the ragged end), where `visible` decides."""
@@ -102,7 +109,7 @@ def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
         alpha = tl.math.exp2((m - m_new) * LOG2E)  # rescales what was summed under the old max
         l = l * alpha + tl.sum(p, 1)  # the softmax's denominator, undropped
         if DROPOUT:
-            p = tl.where(keep(seed, rows[:, None], cols[None, :], T, dropout_p), p, 0.0)
+            p = tl.where(keep(seed, bh, rows[:, None], cols[None, :], T, dropout_p), p, 0.0)
             p = p / (1.0 - dropout_p)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)  # (BLOCK_M, BLOCK_D)
         m = m_new
@@ -115,7 +122,8 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
              dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -126,12 +134,12 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    seed = tl.load(SEED) + bh  # one random stream per (batch, head)
+    seed = tl.load(SEED)
     diagonal = tile * BLOCK_M  # keys before it are in the past of every row of the tile
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
-                               scale, seed, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+                               scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, diagonal,
-                               diagonal + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True,
+                               diagonal + BLOCK_M, scale, seed, bh, dropout_p, HS, BLOCK_N, True,
                                DROPOUT, PRECISION)
     y = acc / l[:, None]
     store_rows(Y + b * stride_yb + h * stride_yh, y, rows, dims, stride_yt, T, HS)
@@ -140,7 +148,7 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
 
 @triton.jit
 def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims, T, q_lo, q_hi,
-                 scale, seed, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 scale, seed, bh, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr,
                  MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK and dV of one key tile from the query tiles [q_lo, q_hi), transposed: the tile's
     rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
@@ -157,7 +165,7 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
         dp_t = mm(v, tl.trans(do), PRECISION)  # dP^T = V dO^T
         p_used = p_t  # P as the forward multiplied it into V: after dropout
         if DROPOUT:
-            z = tl.where(keep(seed, rows[None, :], cols[:, None], T, dropout_p), 1.0, 0.0)
+            z = tl.where(keep(seed, bh, rows[None, :], cols[:, None], T, dropout_p), 1.0, 0.0)
             z = z / (1.0 - dropout_p)
             p_used, dp_t = p_t * z, dp_t * z
         dv += mm(p_used.to(do.dtype), do, PRECISION)  # P^T dO
@@ -174,7 +182,8 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dK's and dV's stride_g*."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     DO += b * stride_ob + h * stride_oh
@@ -186,13 +195,13 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
     v = rows_of(V + b * stride_vb + h * stride_vh, cols, dims, stride_vt, T, HS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    seed = tl.load(SEED) + bh
+    seed = tl.load(SEED)
     diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
-                          diagonal, diagonal + BLOCK_N, scale, seed, dropout_p, HS, BLOCK_M, True,
-                          DROPOUT, PRECISION)
+                          diagonal, diagonal + BLOCK_N, scale, seed, bh, dropout_p, HS, BLOCK_M,
+                          True, DROPOUT, PRECISION)
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
-                          + BLOCK_N, T, scale, seed, dropout_p, HS, BLOCK_M, False, DROPOUT,
+                          + BLOCK_N, T, scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
                           PRECISION)
     out = b * stride_gb + h * stride_gh
     store_rows(DK + out, dk * scale, cols, dims, stride_gt, T, HS)
@@ -201,7 +210,7 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
-              dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query tile from the key tiles [k_lo, k_hi)."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
@@ -214,7 +223,7 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
             p = tl.where(visible(rows[:, None], cols[None, :]), p, 0.0)
         dp = mm(do, tl.trans(v), PRECISION)  # dP = dO V^T
         if DROPOUT:
-            z = tl.where(keep(seed, rows[:, None], cols[None, :], T, dropout_p), 1.0, 0.0)
+            z = tl.where(keep(seed, bh, rows[:, None], cols[None, :], T, dropout_p), 1.0, 0.0)
             dp = dp * z / (1.0 - dropout_p)
         ds = p * (dp - d[:, None])  # the softmax's backward
         dq += mm(ds.to(k.dtype), k, PRECISION)  # dS K (times the scale at the end)
@@ -229,7 +238,8 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of query tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
     b, h = bh // H, bh % H
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -240,12 +250,12 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
     lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
     d = tl.load(D + bh * T + rows, mask=rows < T, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    seed = tl.load(SEED) + bh
+    seed = tl.load(SEED)
     diagonal = tile * BLOCK_M
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal, scale,
-                   seed, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+                   seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
-                   + BLOCK_M, scale, seed, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION)
+                   + BLOCK_M, scale, seed, bh, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION)
     store_rows(DQ + b * stride_gb + h * stride_gh, dq * scale, rows, dims, stride_gt, T, HS)
 
 
@@ -266,8 +276,10 @@ def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
 
 
 # Each kernel's loops step through its diagonal tile in steps of the other tile, so the tile it
-# owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N.
-KEY = ["T", "HS"]
+# owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N (each
+# kernel's static_assert; autotune skips a configuration that fails it). Dropout's Philox draws
+# change a kernel's fastest tiles, so they are tuned apart.
+KEY = ["T", "HS", "DROPOUT"]
 forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
 backward_dk_dv = triton.autotune(tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY)(
     _backward_dk_dv

@@ -98,6 +98,36 @@ def test_the_heads_of_a_fused_projection_are_read_through_their_strides():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "size,stride",
+    [  # from the view's start: head 2 at 2^31 + 2^11 elements; rows 16 and 17 at 2^31, 2^31 + 2^27
+        ((1, 3, 18, 16), (2**32, 2**30 + 2**10, 48, 1)),
+        ((1, 1, 18, 16), (2**32, 2**32, 2**27, 1)),
+    ],
+    ids=["head", "row"],
+)
+def test_offsets_past_2_to_the_31_elements_do_not_wrap(size, stride):
+    """Views whose head or row offsets pass 2^31 elements (strides below 2^31, which Triton
+    passes as 32-bit integers) give the dense copies' outputs and gradients bit for bit. The
+    storage is 8.5 GiB of virtual memory, of which only the pages the views touch become
+    resident; it starts 2^31 elements before them, so a wrapped offset reads zeros inside it."""
+    try:
+        storage = torch.empty(2**32 + 2**28, dtype=torch.float16)
+    except RuntimeError:
+        pytest.skip("8.5 GiB of virtual memory refused (vm.overcommit_memory = 2?)")
+    torch.manual_seed(0)
+    views = [storage.as_strided(size, stride, 2**31 + 2**20 + 16 * i) for i in range(3)]
+    for view in views:
+        view.copy_(torch.randn(size))
+    views = [view.requires_grad_() for view in views]
+    dense = [view.detach().contiguous().requires_grad_() for view in views]
+    grad_out = torch.randn(size, dtype=torch.float16)
+    got = _outputs_and_grads(triton_causal_attention, *views, grad_out)
+    want = _outputs_and_grads(triton_causal_attention, *dense, grad_out)
+    for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
 @triton.jit
 def _one_position_late(q_pos, k_pos):
     return k_pos <= q_pos + 1  # sees one key of the future
@@ -156,6 +186,69 @@ def test_dropout_masks_follow_torch_seed():
     b = triton_causal_attention(q, k, v, dropout_p=0.5)
     c = triton_causal_attention(q, k, v, dropout_p=0.5)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _correlations(masks: torch.Tensor) -> torch.Tensor:
+    """The correlation matrix of the rows of `masks` (n, elements), as 0/1 draws."""
+    return torch.corrcoef(masks.flatten(1).double())
+
+
+def test_dropout_masks_of_heads_and_of_adjacent_seeds_are_independent():
+    """Seeds s and s + 1 and the heads of one call draw unrelated masks: every pair of the 2 x 4
+    (batch, head) masks correlates by less than 0.1 (2,080 draws each: 4.6 standard errors).
+    Seeding each head's stream with seed + (batch, head) made head 1 of seed s head 0 of s + 1."""
+    torch.manual_seed(0)
+    q, k, _ = _qkv(2, 2, 64, 64)
+    eye = torch.eye(64).expand(2, 2, 64, 64)  # Y = the dropped P (test above)
+    visible = torch.ones(64, 64, dtype=torch.bool).tril()
+    masks = [triton_causal_attention(q, k, eye, 0.5, s) != 0 for s in (7, 8)]
+    masks = torch.cat([m[..., visible].flatten(0, 1) for m in masks])  # (8, 2080)
+    off_diagonal = _correlations(masks)[~torch.eye(8, dtype=torch.bool)]
+    assert off_diagonal.abs().max() < 0.1
+
+
+@triton.jit
+def _keep_at(OUT, ROWS, COLS, seed, bh, T, N: tl.constexpr):
+    i = tl.arange(0, N)
+    rows, cols = tl.load(ROWS + i), tl.load(COLS + i)
+    tl.store(OUT + i, kernel.keep(seed, bh, rows, cols, T, 0.5).to(tl.int8))
+
+
+def test_dropout_masks_of_rows_past_46k_are_independent():
+    """At T = 2^17, rows r and r + 2^15 of a head draw unrelated masks (a 32-bit `rows * T + cols`
+    wraps past T = 46,341 and repeats itself past 65,536: there row r + 2^15 drew row r's), and
+    the masks keep half."""
+    torch.manual_seed(0)
+    T, n = 2**17, 4096
+    rows, cols = torch.randint(0, 2**15, (n,), dtype=torch.int32), torch.randint(0, T, (n,))
+    masks = torch.empty(2, n, dtype=torch.int8)
+    for i, r in enumerate([rows, rows + 2**15]):
+        _keep_at[(1,)](masks[i], r, cols.int(), 7, 1, T, n)
+    assert _correlations(masks)[0, 1].abs() < 0.1  # 6.4 standard errors
+    assert masks.float().mean().item() == pytest.approx(0.5, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    "tuned,tiles",
+    [("forward", (16, 32)), ("backward_dk_dv", (32, 16)), ("backward_dq", (16, 32))],
+)
+def test_a_tile_that_is_not_a_multiple_of_the_one_it_walks_fails_to_compile(
+    monkeypatch, tuned, tiles
+):
+    """The diagonal tile is walked in steps of the other tile (tilings): a configuration that
+    breaks this would mask the wrong keys, so it is a compile-time error, not a wrong answer."""
+    bad = triton.Config(dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
+    monkeypatch.setattr(getattr(kernel, tuned), "configs", [bad])
+    q, k, v = _qkv(1, 1, 40, 16)
+    with pytest.raises(Exception, match="must be a multiple of"):
+        triton_causal_attention(q, k, v).sum().backward()
+
+
+def test_dropout_is_in_every_kernels_autotune_key():
+    """With dropout, a kernel draws Philox numbers per element: its fastest tiles are tuned apart
+    from those without."""
+    for tuned in (kernel.forward, kernel.backward_dk_dv, kernel.backward_dq):
+        assert {"T", "HS", "DROPOUT"} <= set(tuned.keys)
 
 
 def test_torch_compile_traces_the_model_through_the_operator_without_a_graph_break():
