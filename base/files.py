@@ -1,5 +1,5 @@
-"""Files and directories written whole or not at all, a file's sha256, and a user's UTF-8 text file
-read with a one-line error.
+"""Files and directories written whole or not at all, files checked against their recorded size
+and sha256, and a user's UTF-8 text file read with a one-line error.
 
 Everything written for a later reader (prepared data, checkpoints, exports, the run's records,
 the precision cache) goes through `atomic_path`, `write_atomic` or `write_dir_atomic`: written
@@ -45,6 +45,30 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def verify_files(files: list[tuple[Path, int, str]], record: str, error: type[Exception]) -> None:
+    """Check every (file, size, sha256) that the file `record` vouches for (prepared data's
+    meta.json, a checkpoint's manifest.json): all sizes first (a truncated file fails without
+    reading anything), then every byte in one streaming pass. A mismatch, or a file missing or
+    unreadable, raises `error` naming it."""
+    try:
+        for file, size, _ in files:
+            if (actual := file.stat().st_size) != size:
+                raise error(
+                    f"{file} has {actual:,} bytes but {record} records {size:,} "
+                    "(truncated or overwritten)"
+                )
+        for file, _, expected in files:
+            if (actual := sha256_file(file)) != expected:
+                raise error(
+                    f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
+                    f"{record} records {expected[:12]}...)"
+                )
+    except FileNotFoundError as e:
+        raise error(f"{e.filename} is missing") from e
+    except OSError as e:
+        raise error(f"{e.filename} cannot be read ({e.strerror})") from e
 
 
 def fsync(path: str | Path) -> None:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError, UserError
-from base.files import recover_swap, sha256_file, writable_error, write_dir_atomic
+from base.files import recover_swap, sha256_file, verify_files, writable_error, write_dir_atomic
 from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
@@ -302,17 +302,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"checkpoint file {path / name} is not listed in {manifest_file}: "
                 "nothing unverified is read"
             )
-    for name, expected in manifest.items():
-        file = _inside(path, name)
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        if file.stat().st_size != expected["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {file} has {file.stat().st_size} bytes, expected "
-                f"{expected['bytes']}: it is truncated or was modified"
-            )
-        if sha256_file(file) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint file {file} fails its sha256 check: it is corrupt")
+    files = [(_inside(path, name), e["bytes"], e["sha256"]) for name, e in manifest.items()]
+    verify_files(files, str(manifest_file), CheckpointError)
     return read_config(path)
 
 

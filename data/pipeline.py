@@ -44,7 +44,7 @@ import tiktoken
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import CONFIG_DIR, DataError
-from base.files import atomic_path, sha256_file, writable_error, write_atomic
+from base.files import atomic_path, sha256_file, verify_files, writable_error, write_atomic
 from data.chat import TEMPLATE, chat_tokenizer, problem, render
 from data.sources import get_source, progress_bars
 from data.tokenizer import (
@@ -141,27 +141,12 @@ def verify_prepared(
             )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
-    try:
-        for file, size, _ in files:
-            if (actual := file.stat().st_size) != size:
-                raise InvalidCache(
-                    f"{file} has {actual:,} bytes but {META} records {size:,} "
-                    "(truncated or overwritten)"
-                )
-        total = sum(size for _, size, _ in files)
-        if announce is not None and total >= ANNOUNCE_BYTES:
-            announce(
-                f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
-                "(every byte is read and hashed, at about 0.7-2 GB/s)"
-            )
-        for file, _, expected in files:
-            if (actual := sha256_file(file)) != expected:
-                raise InvalidCache(
-                    f"{file} fails its sha256 check (it is corrupt: {actual[:12]}..., "
-                    f"{META} records {expected[:12]}...)"
-                )
-    except OSError as e:  # a recorded file that is missing or unreadable
-        raise InvalidCache(f"{e.filename} cannot be read ({e.strerror})") from e
+    if announce is not None and (total := sum(size for _, size, _ in files)) >= ANNOUNCE_BYTES:
+        announce(
+            f"verifying the sha256 of {total / 1e9:.1f} GB of prepared data in {directory} "
+            "(every byte is read and hashed, at about 0.7-2 GB/s)"
+        )
+    verify_files(files, META, InvalidCache)
     return meta
 
 
@@ -335,28 +320,7 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
-    trained: dict[str, Any] = {}
-    if vocab_size:  # trained on the train split alone
-        batches = docs["train"].iter(batch_size=MAP_BATCH_SIZE)
-        texts = (
-            (m["content"] for b in batches for c in b["messages"] for m in c if not problem(c))
-            if chat
-            else (t for b in batches for t in b["text"])
-        )
-        bpe, stats = train_bpe(texts, vocab_size)
-        path = out / TOKENIZER_FILE
-        write_atomic(path, bpe.to_json())
-        if verbose:
-            print(
-                f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} "
-                f"MB, {stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in "
-                f"{stats.seconds:.2f}s"
-            )
-        file = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        trained = {
-            "tokenizer_file": file,
-            "tokenizer_training": {**asdict(stats), "seconds": round(stats.seconds, 3)},
-        }
+    trained = _train_tokenizer(cfg, docs["train"], out, vocab_size, verbose) if vocab_size else {}
     enc = data_tokenizer(tokenizer, out, bool(chat))
     splits = {}
     for split in ("train", "val"):
@@ -402,6 +366,34 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     }
     write_atomic(out / META, json.dumps(meta, indent=2))
     return meta
+
+
+def _train_tokenizer(
+    cfg: dict[str, Any], train: Dataset, out: Path, vocab_size: int, verbose: bool
+) -> dict[str, Any]:
+    """Train data.tokenizer=bpe-<N> on the train split alone, into out/tokenizer.json; returns
+    what meta.json records of it."""
+    chat = cfg.get("chat")
+    batches = train.iter(batch_size=MAP_BATCH_SIZE)
+    texts = (
+        (m["content"] for b in batches for c in b["messages"] for m in c if not problem(c))
+        if chat
+        else (t for b in batches for t in b["text"])
+    )
+    bpe, stats = train_bpe(texts, vocab_size)
+    path = out / TOKENIZER_FILE
+    write_atomic(path, bpe.to_json())
+    if verbose:
+        print(
+            f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} "
+            f"MB, {stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in "
+            f"{stats.seconds:.2f}s"
+        )
+    file = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {
+        "tokenizer_file": file,
+        "tokenizer_training": {**asdict(stats), "seconds": round(stats.seconds, 3)},
+    }
 
 
 def _skipped(stats: dict[str, Any]) -> str:

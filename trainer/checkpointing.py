@@ -4,8 +4,8 @@ A run's checkpoints live in <run dir>/checkpoints: `last` (the weights and every
 object's state, all a resumed run needs to continue exactly where it stopped), `best` (the
 weights at the lowest validation loss) and, with train.keep_checkpoints=N, `step-<step>` copies
 of `last`. As torchtitan's CheckpointManager, it knows nothing of training: the trainer hands it
-named objects with `state_dict()` / `load_state_dict()`, and their states are saved under those
-names (the keys of a checkpoint's trainer_state).
+named (get, set) functions of its states, saved under those names (the keys of a checkpoint's
+trainer_state).
 
 Under torchrun every rank calls `save` at the same step (FSDP gathers the shards); rank 0 writes,
 and a barrier holds the others until the checkpoint is complete.
@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from base.files import link_files, write_dir_atomic
 from checkpoints.store import (
@@ -39,19 +39,7 @@ from hardware.distributed import DistInfo, barrier, full_model
 from model import GPT, GPTConfig
 from trainer.reporting import format_bytes
 
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-@dataclass
-class FunctionState:
-    """A state reached through functions, not an object's methods (the RNGs; an optimizer
-    gathered from FSDP's shards)."""
-
-    state_dict: Callable[[], Any]
-    load_state_dict: Callable[[Any], None]
+Stateful = dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]  # name: (get, set)
 
 
 @dataclass
@@ -101,12 +89,12 @@ class CheckpointManager:
             )
         return ckpt
 
-    def restore(self, ckpt: Checkpoint, stateful: dict[str, Stateful]) -> None:
+    def restore(self, ckpt: Checkpoint, stateful: Stateful) -> None:
         """Every state but the weights (loaded before FSDP shards the model). A state the
         checkpoint lacks (no GPU's RNG, no loss scaler when it was saved) is left as it is."""
-        for name, obj in stateful.items():
+        for name, (_, load) in stateful.items():
             if ckpt.trainer_state.get(name) is not None:
-                obj.load_state_dict(ckpt.trainer_state[name])
+                load(ckpt.trainer_state[name])
 
     def best_loss(self) -> float:
         """The validation loss recorded by this run's complete `best` checkpoint (inf if none):
@@ -117,13 +105,11 @@ class CheckpointManager:
         except (OSError, KeyError, TypeError, ValueError):  # CheckpointError is a ValueError
             return math.inf
 
-    def save(
-        self, name: str, model: GPT, meta: dict[str, Any], stateful: dict[str, Stateful] | None
-    ) -> Path:
+    def save(self, name: str, model: GPT, meta: dict[str, Any], stateful: Stateful | None) -> Path:
         """`name` with the weights, and with every stateful object's state unless None."""
         path = self.dir / name
         weights = full_model(model)
-        states = None if stateful is None else {k: v.state_dict() for k, v in stateful.items()}
+        states = None if stateful is None else {k: get() for k, (get, _) in stateful.items()}
         if self.dist.is_main:
             save_checkpoint(
                 path, weights, self.resolved_config, meta, states, self.data.tokenizer_file
@@ -133,7 +119,7 @@ class CheckpointManager:
         barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
         return path
 
-    def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: dict[str, Stateful]):
+    def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: Stateful):
         """`last`, and with keep=N a `step-<step>` checkpoint too, pruned to the N most recently
         written: `last`'s files, hard-linked (a checkpoint's files are never changed in place,
         only replaced whole), so the state is serialized and written once."""

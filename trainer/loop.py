@@ -56,7 +56,7 @@ from hardware.distributed import (
 )
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
-from trainer.checkpointing import CheckpointManager, FunctionState
+from trainer.checkpointing import CheckpointManager, Stateful
 from trainer.config import RunConfig
 from trainer.optim import build_optimizer, lr_scale, set_lr, warmup_drop
 from trainer.preflight import causality_guard, check_memory
@@ -88,12 +88,6 @@ class TrainState:
     elapsed: float = 0.0  # seconds spent in the training loop, summed over resumes
     skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nan=skip)
     wandb_id: str | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        vars(self).update(state)
 
 
 # What to do with an optimizer step whose loss or gradients are not finite.
@@ -245,22 +239,22 @@ class Trainer:
             PrefetchingSampler(sampler, pin_memory=True) if self.device.type == "cuda" else sampler
         )
 
-    def _stateful(self) -> dict[str, Any]:
-        """The training state, in one place: what `last` holds besides the weights, by name,
-        each with state_dict() and load_state_dict()."""
-        stateful: dict[str, Any] = {
-            "train_state": self.state,
-            "optimizer": FunctionState(
-                lambda: optimizer_state(self.model, self.optimizer),
-                lambda state: load_optimizer_state(self.model, self.optimizer, state),
+    def _stateful(self) -> Stateful:
+        """The training state, in one place: what `last` holds besides the weights, by name."""
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        stateful: Stateful = {
+            "train_state": (lambda: asdict(self.state), lambda s: vars(self.state).update(s)),
+            "optimizer": (
+                lambda: optimizer_state(model, optimizer),
+                lambda state: load_optimizer_state(model, optimizer, state),
             ),
-            "sampler": self.sampler,
-            "torch_rng": FunctionState(torch.get_rng_state, torch.set_rng_state),
+            "sampler": (self.sampler.state_dict, self.sampler.load_state_dict),
+            "torch_rng": (torch.get_rng_state, torch.set_rng_state),
         }
         if self.device.type == "cuda":
-            stateful["cuda_rng"] = FunctionState(torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-        if self.scaler is not None:
-            stateful["scaler"] = self.scaler
+            stateful["cuda_rng"] = (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+        if scaler is not None:
+            stateful["scaler"] = (scaler.state_dict, scaler.load_state_dict)
         return stateful
 
     def _resume(self, ckpt: Checkpoint) -> None:
@@ -587,8 +581,17 @@ class Trainer:
             f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
-        metrics = result.metrics("val")
-        for task in self.tasks:  # each rank scores its share of the items
+        self._record(result.metrics("val") | self._task_metrics(), self.state.step)
+        self.metrics.plot()
+        if self.records_samples:
+            self.tracker.log_samples(self._samples(), self.state.step)
+        self.last_eval = (self.state.step, result)
+        return result
+
+    def _task_metrics(self) -> dict[str, float]:
+        """Score train.eval_tasks (each rank its share of the items), each in one line."""
+        metrics = {}
+        for task in self.tasks:
             from evals.tasks import score_task, task_line
 
             scores = score_task(
@@ -598,12 +601,7 @@ class Trainer:
             metrics |= {
                 f"{task.name}/{k}": v for k, v in scores.items() if k != "items" and v is not None
             }
-        self._record(metrics, self.state.step)
-        self.metrics.plot()
-        if self.records_samples:
-            self.tracker.log_samples(self._samples(), self.state.step)
-        self.last_eval = (self.state.step, result)
-        return result
+        return metrics
 
     def _samples(self) -> list[tuple[str, str]]:
         """Completions of two fixed prompts (nothing, and the validation text's opening), or for

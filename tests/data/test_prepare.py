@@ -195,7 +195,7 @@ def test_a_truncated_token_file_is_detected_and_rebuilt(
 def test_a_missing_token_file_is_named(shakespeare: PreparedData, tmp_path: Path) -> None:
     _, out = own_copy(shakespeare, tmp_path)
     (out / "val.bin").unlink()
-    with pytest.raises(InvalidCache, match=f"^{re.escape(str(out / 'val.bin'))} cannot be read"):
+    with pytest.raises(InvalidCache, match=f"^{re.escape(str(out / 'val.bin'))} is missing"):
         verify_prepared(out, shakespeare.meta["fingerprint"])
 
 
