@@ -1,24 +1,27 @@
-"""Benchmark: causal attention alone, forward and forward + backward, one implementation a row.
+"""Benchmark: causal attention alone, forward, backward and both, one implementation a row.
 
 On a CPU, from the repository root: ``python benchmarks/bench_attention.py`` (manual, flash and
-sdpa; float32; batch 1, 4 heads of 64; T = 128 to 8,192; about 3 minutes on two cores). On a CUDA
-GPU: ``python benchmarks/bench_attention.py --device cuda`` (manual, each sdpa backend, triton;
-bfloat16; 16,384 tokens a batch in heads of 64 and of 128 over a width of 2,048, as
-FlashAttention-2's paper measures; T = 1,024 to 16,384). ``--help`` for the shapes, lengths and
-implementations. Prints a markdown table, one row per (head size, T, implementation).
+sdpa; float32; batch 1, 4 heads of 64; T = 128 to 8,192). On a CUDA GPU: ``python
+benchmarks/bench_attention.py --device cuda`` (manual, each sdpa backend, triton; bfloat16;
+16,384 tokens a batch in heads of 64 and of 128 over a width of 2,048, as FlashAttention-2's
+paper measures; T = 1,024 to 16,384). ``--help`` for the shapes, lengths and implementations.
+Prints a markdown table, one row per (head size, T, implementation).
 
-Columns: the forward's and the forward + backward's time and TFLOP/s (causal attention's
-matmul FLOPs: 2 B H T^2 d_k forward, 2.5 times that backward, the diagonal's half tile
-ignored), peak memory, and forward + backward against the fastest sdpa backend of the same
-row group (above 1: faster).
+Columns: the forward's, the backward's and the forward + backward's time and TFLOP/s
+(FlashAttention's count for causal attention: 2 B H T^2 d_k forward, 2.5 times that backward),
+peak memory, and forward + backward against the fastest sdpa backend of the same row group
+(above 1: faster).
 
-Method. The time of each is the fastest of repeated runs within --seconds (at least 3 after a
-warm-up that compiles Triton's kernels; the minimum is the least disturbed by other load), with
-the GPU synchronised. Peak memory is what one forward + backward adds above q, k, v, dO and
-manual's mask: on a CPU each cell runs in a fresh subprocess (benchmarks/harness.py) and the
-peak is the growth of its peak resident set (VmHWM, reset after setup); on a GPU, cells run in
-one process and the peak is torch.cuda.max_memory_allocated above the allocated baseline. A
-cell out of memory prints OOM.
+Method, as FlashAttention's own harness: the backward returns the gradients
+(torch.autograd.grad: nothing accumulates into .grad across calls) and is timed alone on a
+retained graph; a time is the fastest of at least 3 batches of calls within --seconds (after a
+warm-up that compiles and autotunes Triton's kernels), a batch timed on a GPU between two CUDA
+events with no synchronisation between its calls, so the launches overlap the GPU's work as in
+training. Peak memory is what one forward + backward adds above q, k, v, dO and manual's mask:
+on a CPU each cell runs in a fresh subprocess (benchmarks/harness.py) and the peak is the growth
+of its peak resident set (VmHWM, reset after setup); on a GPU, cells run in one process and the
+peak is torch.cuda.max_memory_allocated above the allocated baseline. A cell out of memory prints
+OOM.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from model.gpt import GPTConfig
 
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 SDPA_BACKENDS["sdpa-cudnn"] = "CUDNN_ATTENTION"
+TIMES = ("forward", "backward", "both")
 IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, "triton")
 DEFAULTS = {  # per device: implementations, dtype, lengths, head sizes
     "cpu": (["manual", "flash", "sdpa"], "float32", [2**i for i in range(7, 14)], [64]),
@@ -77,24 +81,39 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
         allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         return q, k, v, allowed, torch.randn(shape, device=device, dtype=dtype)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def fastest(fn) -> float:
-        times = []
-        while len(times) < 3 or sum(times) < args.seconds:
-            sync()
+    def batch(fn, n: int) -> float:
+        """Seconds of n calls of fn back to back."""
+        if not cuda:
             start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return time.perf_counter() - start
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in "se")
+        start.record()
+        for _ in range(n):
             fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def per_call(fn) -> float:
+        """Seconds a call: the fastest of at least 3 batches within --seconds, a tenth each."""
+        n = max(1, round(args.seconds / 10 / batch(fn, 1)))
+        batches = [batch(fn, n) for _ in range(3)]
+        while sum(batches) < args.seconds:
+            batches.append(batch(fn, n))
+        return min(batches) / n
+
+    def both():  # forward + backward
+        return torch.autograd.grad(attend(q, k, v, allowed), (q, k, v), g)
+
+    def backward():  # alone, on the retained graph of one forward
+        return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
     torch.manual_seed(0)
     try:
         q, k, v, allowed, g = inputs(64)
-        attend(q, k, v, allowed).backward(g)  # warm-up: thread pools, kernels compiled
+        both()  # warm-up: thread pools, kernels compiled
         q, k, v, allowed, g = inputs(T)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -102,24 +121,23 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
         else:
             harness.reset_peak_rss()
             baseline = harness.rss_bytes("VmRSS")
-        attend(q, k, v, allowed).backward(g)
-        sync()
+        both()  # on a GPU, Triton's kernels autotune for this T here
+        if cuda:
+            torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() if cuda else harness.rss_bytes("VmHWM")
         with torch.no_grad():
-            forward = fastest(lambda: attend(q, k, v, allowed))
-        both = fastest(lambda: attend(q, k, v, allowed).backward(g))
+            times = {"forward": per_call(lambda: attend(q, k, v, allowed))}
+        times["both"] = per_call(both)
+        out = attend(q, k, v, allowed)
+        times["backward"] = per_call(backward)
     except torch.OutOfMemoryError:
         return {"error": "OOM"}
     except Exception as error:  # e.g. an sdpa backend that does not take this shape
         return {"error": str(error).splitlines()[0][:60]}
     flops = 2 * q.size(0) * q.size(1) * T * T * hs  # causal: half of 4 B H T^2 d_k
-    return {
-        "forward": forward,
-        "both": both,
-        "forward_tflops": flops / forward / 1e12,
-        "both_tflops": 3.5 * flops / both / 1e12,
-        "peak_bytes": peak - baseline,
-    }
+    work = {"forward": flops, "backward": 2.5 * flops, "both": 3.5 * flops}
+    return {**times, **{f"{name}_tflops": work[name] / t / 1e12 for name, t in times.items()},
+            "peak_bytes": peak - baseline}  # fmt: skip
 
 
 def main() -> None:
@@ -144,33 +162,23 @@ def main() -> None:
     print(harness.machine(args.device))
     shape = f"{args.tokens:,} tokens x width {args.width:,}" if args.device == "cuda" else (
         f"B={args.batch}, H={args.heads}")  # fmt: skip
-    print(f"\nCausal attention alone, {args.dtype}, {shape}; fastest of runs within "
+    print(f"\nCausal attention alone, {args.dtype}, {shape}; fastest batch of calls within "
           f"{args.seconds:g} s; flash tiles {args.block_q}x{args.block_k}.\n")  # fmt: skip
-    head("d_k | T | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB | "
-         "fwd+bwd / fastest sdpa", "rrlrrrrrr")  # fmt: skip
+    head("d_k | T | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | "
+         "fwd+bwd TFLOP/s | peak MiB | fwd+bwd / fastest sdpa", "rrlrrrrrrrr")  # fmt: skip
     for hs in args.head_sizes:
         for T in args.lengths:
             cells = [dict(impl=impl, head_size=hs, T=T) for impl in args.impls]
-            results = [run_cell(cell, args) for cell in cells]
-            done = list(zip(cells, results, strict=True))
+            done = [(cell, run_cell(cell, args)) for cell in cells]
             sdpa = [r["both"] for c, r in done if "sdpa" in c["impl"] and "both" in r]
             for cell, r in done:
                 if "error" in r:
-                    row([str(hs), str(T), cell["impl"], r["error"], "", "", "", "", ""])
+                    row([str(hs), f"{T:,}", cell["impl"], r["error"], *[""] * 7])
                     continue
+                times = [f"{r[n] * 1e3:.2f} | {r[n + '_tflops']:.3g}" for n in TIMES]
                 ratio = f"{min(sdpa) / r['both']:.2f}" if sdpa else ""
-                times = [f"{r['forward'] * 1e3:.2f}", f"{r['forward_tflops']:.3g}"]
-                times += [f"{r['both'] * 1e3:.2f}", f"{r['both_tflops']:.3g}"]
-                row(
-                    [
-                        str(hs),
-                        f"{T:,}",
-                        cell["impl"],
-                        *times,
-                        f"{r['peak_bytes'] / 2**20:,.1f}",
-                        ratio,
-                    ]
-                )
+                row([str(hs), f"{T:,}", cell["impl"], *times, f"{r['peak_bytes'] / 2**20:,.1f}",
+                     ratio])  # fmt: skip
 
 
 def run_cell(cell: dict, args: argparse.Namespace) -> dict:
