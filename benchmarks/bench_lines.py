@@ -27,6 +27,7 @@ FEATURES = {
         ("inference/attention_plot.py", ["formula_view", "_rounded", "row_lines"]),
         ("inference/attention_plot.py", ["plot_formula"]),
         ("inference/server.py", ["FormulaRequest", "Server.formula"]),
+        ("inference/cli.py", ["write_formula"]),
     ],
     "OpenAI-compatible server, request batching, live attention page": [
         ("serve.py", None),
@@ -34,6 +35,7 @@ FEATURES = {
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
         ("inference/cli.py", ["write_attention_plot"]),  # sample.py attention_plot=
+        ("model/gpt.py", ["GPT.attention_probs"]),  # the page's and the plot's S
     ],
     "export to transformers and GGUF": [
         ("export.py", None),
@@ -52,12 +54,17 @@ FEATURES = {
         ("model/causality.py", None),
         ("trainer/preflight.py", ["GUARD_LAYERS", "causality_guard"]),
     ],
-    "downstream tasks scored as lm-evaluation-harness scores them": [("evals/tasks.py", None)],
+    "downstream tasks scored as lm-evaluation-harness scores them": [
+        ("evals/tasks.py", None),
+        ("trainer/loop.py", ["Trainer._tasks", "Trainer._task_metrics"]),  # train.eval_tasks
+        ("trainer/config.py", ["_tasks"]),
+    ],
     "torchrun: DDP and FSDP2": [("hardware/distributed.py", None)],
     "the BPE tokenizer trainer (bpe-<N>)": [
         ("data/tokenizer.py", ["FORMAT", "TRAINER_VERSION", "PATTERN", "MIN_VOCAB", "BPE"]),
         ("data/tokenizer.py", ["TrainStats", "_merge", "train_bpe"]),
         ("data/tokenizer.py", ["_read_trained", "_trained_encoding"]),
+        ("data/pipeline.py", ["_train_tokenizer"]),
     ],
     "untrusted checkpoints: headers and shapes checked before loading": [
         ("checkpoints/store.py", ["MAX_JSON_BYTES", "FLOAT_DTYPES", "TensorInfo"]),
@@ -89,11 +96,16 @@ FEATURES = {
     "resume that refuses changed model, data or optimizer keys": [
         ("trainer/config.py", ["RESUMABLE", "saved_config", "resumed_config"]),
         ("trainer/config.py", ["_under", "_show", "_flatten", "_set"]),
+        ("trainer/checkpointing.py", ["CheckpointManager._refuse_changed"]),
     ],
-    "Weights & Biases tracker": [("trainer/reporting.py", ["resolve_mode", "Tracker"])],
+    "Weights & Biases tracker, with samples at each evaluation": [
+        ("trainer/reporting.py", ["resolve_mode", "Tracker"]),
+        ("trainer/loop.py", ["Trainer._samples"]),
+    ],
     "MFU: peak FLOP/s measured or looked up": [
         ("hardware/device.py", ["GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_matmul_flops"]),
         ("hardware/device.py", ["measured_once", "fastest", "cpuinfo", "cpu_name"]),
+        ("trainer/loop.py", ["Trainer._raise_peak"]),
     ],
     "CPU dtype=auto: bfloat16 where this CPU's probe measures it faster": [
         ("hardware/device.py", ["BF16_MIN_SPEEDUP", "AUTO_DTYPE_ENV", "cpu_auto_dtype"]),
@@ -104,8 +116,21 @@ FEATURES = {
     ],
     "a warning when warmup outlasts a time budget": [("trainer/optim.py", ["warmup_drop"])],
     "loss plot (loss.png)": [("trainer/reporting.py", ["draw", "MetricsLog.plot"])],
-    "sweep table after `-m`": [
+    "sweeps (`-m`): every job validated first, a table after": [
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),
+        ("trainer/config.py", ["ValidateBeforeRunDir.on_multirun_start"]),
+    ],
+    "a non-finite step: stop or skip (train.on_nan)": [
+        ("trainer/loop.py", ["MAX_SKIPPED_STEPS", "TrainingError", "Verdict", "step_verdict"]),
+        ("trainer/loop.py", ["Trainer._verdict", "Trainer._non_finite"]),
+    ],
+    "step checkpoints (train.keep_checkpoints) and the disk they take": [
+        ("checkpoints/store.py", ["STEP_PREFIX", "prune_step_checkpoints", "checkpoint_bytes"]),
+        ("trainer/checkpointing.py", ["CheckpointManager._report_disk"]),
+    ],
+    "sliding-window evaluation (evaluate.py stride=)": [("evals/loss.py", ["sliding_windows"])],
+    "sampling filters beyond temperature and top-k: repetition penalty, top-p, min-p": [
+        ("inference/generate.py", ["apply_repetition_penalty", "top_p_filter", "min_p_filter"]),
     ],
     "architecture options: RoPE, RMSNorm": [
         ("model/gpt.py", ["RMSNorm", "rope_tables", "apply_rope"]),
@@ -115,6 +140,8 @@ FEATURES = {
         ("data/sources.py", ["load_chat_plays", "CHAT_BUILDERS", "check_json_lines"]),
         ("data/sources.py", ["load_chat_files", "_column"]),
         ("data/pipeline.py", ["data_tokenizer", "_skipped"]),
+        ("data/pipeline.py", ["encode_conversations"]),
+        ("inference/cli.py", ["chat_replies"]),
         ("model/gpt.py", ["GPT.add_tokens"]),
         ("checkpoints/store.py", ["add_template_tokens"]),
         ("inference/cli.py", ["read_messages", "reply", "converse"]),

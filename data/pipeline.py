@@ -170,34 +170,37 @@ def encode_documents(
     """``datasets.map`` worker: each non-empty document becomes ``[eot, *tokens]``.
 
     The leading end-of-text token separates documents and gives every document's first token
-    the same context; UTF-8 byte counts of the raw text are kept for bits-per-byte.
-
-    A chat batch (a ``messages`` column) becomes each conversation in the chat template
-    (data/chat.py), with its assistant mask and the bytes of its assistant turns (what the
-    masked tokens spell); conversations that cannot be trained on are counted in ``skipped``.
+    the same context; UTF-8 byte counts of the raw text are kept for bits-per-byte. A chat
+    batch goes to `encode_conversations`.
     """
-    chat = "messages" in batch
-    enc = data_tokenizer(tokenizer, tokenizer_dir, chat)
-    if chat:  # a conversation that cannot be trained on: no tokens, and why in `skipped`
-        why = [problem(messages) or "" for messages in batch["messages"]]
-        rows = [
-            ([], []) if bad else render(messages, enc, generation_prompt=False)
-            for messages, bad in zip(batch["messages"], why, strict=True)
-        ]
-        return {
-            "ids": [np.array(ids, dtype=np.uint32) for ids, _ in rows],
-            "mask": [np.array(mask, dtype=np.uint8) for _, mask in rows],
-            "nbytes": [
-                0 if bad else sum(len(m["content"].encode()) for m in c if m["role"] == "assistant")
-                for c, bad in zip(batch["messages"], why, strict=True)
-            ],
-            "skipped": why,
-        }
+    if "messages" in batch:
+        return encode_conversations(batch, data_tokenizer(tokenizer, tokenizer_dir, chat=True))
+    enc = data_tokenizer(tokenizer, tokenizer_dir, chat=False)
     texts = [t for t in batch["text"] if t]
     ids = enc.encode_ordinary_batch(texts, num_threads=num_threads)
     return {
         "ids": [np.array([enc.eot_token, *x], dtype=np.uint32) for x in ids],
         "nbytes": [len(t.encode("utf-8")) for t in texts],
+    }
+
+
+def encode_conversations(batch: dict[str, list], enc: tiktoken.Encoding) -> dict[str, list]:
+    """A chat batch (a ``messages`` column): each conversation in the chat template
+    (data/chat.py), with its assistant mask and the bytes of its assistant turns (what the
+    masked tokens spell); one that cannot be trained on has no tokens, and why in ``skipped``."""
+    why = [problem(messages) or "" for messages in batch["messages"]]
+    rows = [
+        ([], []) if bad else render(messages, enc, generation_prompt=False)
+        for messages, bad in zip(batch["messages"], why, strict=True)
+    ]
+    return {
+        "ids": [np.array(ids, dtype=np.uint32) for ids, _ in rows],
+        "mask": [np.array(mask, dtype=np.uint8) for _, mask in rows],
+        "nbytes": [
+            0 if bad else sum(len(m["content"].encode()) for m in c if m["role"] == "assistant")
+            for c, bad in zip(batch["messages"], why, strict=True)
+        ],
+        "skipped": why,
     }
 
 

@@ -57,6 +57,19 @@ def write_attention_plot(
     plot_attention(probs, token_labels(tokenizer, ids), path, title)
 
 
+def write_formula(
+    model: GPT, tokenizer: tiktoken.Encoding, ids: list[int], cfg: Mapping[str, Any], err: TextIO
+) -> None:
+    """`formula=<png>`: one head's attention formula step by step, drawn, and the chosen row's
+    computation printed."""
+    layer = model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
+    idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
+    view = formula_view(model, idx, layer, cfg["formula_head"], cfg["formula_row"])
+    labels = token_labels(tokenizer, ids)
+    plot_formula(view, labels, cfg["formula"])
+    print(*row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
+
+
 def read_messages(value: Any) -> list[dict[str, str]] | None:
     """The one-shot conversation of `messages`: a list (``'messages=[{role: user, content:
     Hi}]'``) or a JSON file holding one; None when not given."""
@@ -136,6 +149,27 @@ def converse(
         messages.append({"role": "assistant", "content": replies[-1]})
 
 
+def chat_replies(
+    ckpt: Checkpoint,
+    model: GPT,
+    cfg: Mapping[str, Any],
+    messages: list[dict[str, str]] | None,
+    settings: dict[str, Any],
+    out: TextIO,
+    err: TextIO,
+) -> list[str]:
+    """`messages=`: their one reply; `chat=true`: the terminal conversation."""
+    if not ckpt.chat_template:
+        raise ConfigError(
+            f"{ckpt.path} is a base model without a chat template: fine-tune it for chat "
+            f"first (python train.py experiment=chat_sft train.init_from={ckpt.path})"
+        )
+    if not cfg.get("chat"):  # messages alone: their one reply
+        return [reply(ckpt, model, messages, settings, out)]
+    system = [{"role": "system", "content": cfg["system"]}] if cfg.get("system") else []
+    return converse(ckpt, model, settings, messages or system, out, err, sys.stdin)
+
+
 def _int_at_least(name: str, value: Any, minimum: int) -> int:
     return check(name, value, is_int(value, minimum), f"an integer >= {minimum}")
 
@@ -181,18 +215,10 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     eot = tokenizer.eot_token
     generator = torch.Generator(device=device).manual_seed(seed)
     if chat:
-        if not ckpt.chat_template:
-            raise ConfigError(
-                f"{ckpt.path} is a base model without a chat template: fine-tune it for chat "
-                f"first (python train.py experiment=chat_sft train.init_from={ckpt.path})"
-            )
         settings = dict(
             params=params, generator=generator, stop=stop, max_new_tokens=max_new_tokens
         )
-        if not cfg.get("chat"):  # messages alone: their one reply
-            return [reply(ckpt, model, messages, settings, out)]
-        system = [{"role": "system", "content": cfg["system"]}] if cfg.get("system") else []
-        return converse(ckpt, model, settings, messages or system, out, err, sys.stdin)
+        return chat_replies(ckpt, model, cfg, messages, settings, out, err)
 
     ids = tokenizer.encode_ordinary(prompt) or [eot]
     block_size = model.config.block_size
@@ -214,15 +240,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
                 "give a longer prompt, e.g. 'prompt=\"To be, or not to be\"'",
                 file=err,
             )
-
     if cfg.get("formula"):  # .get: keys newer than a caller's dict
-        layer = (
-            model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
-        )
-        view = formula_view(model, idx[:1], layer, cfg["formula_head"], cfg["formula_row"])
-        labels = token_labels(tokenizer, ids)
-        plot_formula(view, labels, cfg["formula"])
-        print(*row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
+        write_formula(model, tokenizer, ids, cfg, err)
 
     live = out.isatty() if stream is None else stream
     if stream and num_samples > 1:

@@ -66,6 +66,12 @@ class CheckpointManager:
         if source is None:
             return None
         ckpt = load_checkpoint(source, with_trainer_state=True)
+        self._refuse_changed(ckpt, config)
+        return ckpt
+
+    def _refuse_changed(self, ckpt: Checkpoint, config: GPTConfig) -> None:
+        """A resumed run keeps its model, its tokenizer and its data's bytes."""
+        source = ckpt.path
         if ckpt.model.config != config:
             raise CheckpointError(
                 f"the checkpoint at {source} has model {ckpt.model.config.to_dict()}, but this "
@@ -87,7 +93,6 @@ class CheckpointManager:
                 "resumed run keeps its data: restore them, or start a new run from these "
                 f"weights with train.init_from={source}"
             )
-        return ckpt
 
     def restore(self, ckpt: Checkpoint, stateful: Stateful) -> None:
         """Every state but the weights (loaded before FSDP shards the model). A state the

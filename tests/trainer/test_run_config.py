@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import checkpoints.store
+import base.files
 from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
 from tests.conftest import CONFIGS, TINY, compose_run, load_preset, make_trainer
@@ -101,9 +101,9 @@ def test_a_resume_hashes_its_checkpoint_once(tmp_path, corpus, monkeypatch):
     Trainer's load verifies every file of it, once; `best`'s loss is read, not verified."""
     make_trainer(tmp_path, corpus, "train.max_steps=2").run()
     hashed = []
-    original = checkpoints.store.sha256_file
+    original = base.files.sha256_file
     monkeypatch.setattr(
-        checkpoints.store, "sha256_file", lambda file: hashed.append(file) or original(file)
+        base.files, "sha256_file", lambda file: hashed.append(file) or original(file)
     )
     overrides = [*TINY, *corpus, "train.resume=auto"]
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
