@@ -3,7 +3,7 @@
 On a CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 with 16 x 16 tiles, so these small shapes cross several tiles, the diagonal and a ragged end.
 What only a GPU shows (compiled kernels, the GPU tile sizes, speed) is checked by
-benchmarks/bench_attention.py --device cuda (docs/performance.md).
+scripts/gpu_check.sh on a lent GPU (docs/performance.md).
 """
 
 from __future__ import annotations

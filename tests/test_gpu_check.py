@@ -1,0 +1,54 @@
+"""scripts/gpu_check.sh --smoke: every step of the GPU check runs on a CPU and writes its table,
+so that a lent GPU's few minutes are not lost to a step that broke unnoticed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the GPU check runs the Triton kernel (Linux only)")
+
+ROOT = Path(__file__).resolve().parents[1]
+NANOGPT = ROOT.parent / "shared" / "anchors" / "nanoGPT"  # the script's default
+
+
+def data_rows(file: Path) -> list[list[str]]:
+    """The cells of the rows of a markdown file's tables: neither a |---| line nor a header."""
+    lines = [line for line in file.read_text().splitlines() if line.startswith("|")]
+    rules = {i for i, line in enumerate(lines) if line.startswith("|-")}  # each under a header
+    rows = [line for i, line in enumerate(lines) if not {i, i + 1} & rules]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.mark.slow
+def test_the_smoke_run_writes_every_table_with_measured_rows(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        [ROOT / "scripts" / "gpu_check.sh", "--smoke", tmp_path / "out"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    checks = {  # file: a check of every row
+        "kernel": lambda row: row[-1] == "ok",  # errors within bounds; one graph, no break
+        "attention": lambda row: number(row[3]) > 0,  # fwd ms, not an error
+        "nanogpt": lambda row: number(row[2]) > 0,  # tokens/s
+        "step": lambda row: number(row[1]) > 0,  # tokens/s, not an error
+    }
+    if NANOGPT.is_dir():
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:  # a checkout without the anchor beside it: that step alone fails, saying so
+        assert result.returncode == 1 and "FAILED: nanogpt;" in result.stdout, result.stdout
+        del checks["nanogpt"]
+    assert result.stdout.splitlines()[-1].endswith(str(tmp_path / "out"))  # where the tables are
+    for name, check in checks.items():
+        rows = data_rows(tmp_path / "out" / f"{name}.md")
+        assert rows and all(check(row) for row in rows), (name, rows)
+    assert len(data_rows(tmp_path / "out" / "attention.md")) == 2  # sdpa and triton
+    assert len(data_rows(tmp_path / "out" / "step.md")) == 3  # sdpa, padded vocab, triton
