@@ -8,8 +8,10 @@ P = softmax(S), Y = P V; m and l are a row's running max and sum of exp(S - m), 
   left of the diagonal without a mask, then the tiles crossing it with one (`visible`); tiles
   above the diagonal are never loaded. The online softmax rescales the output accumulator as m
   grows; only Y and the row's LSE are stored, never S.
-- backward (FlashAttention-2), two kernels that recompute P = exp(S - LSE) tile by tile, with
-  D = rowsum(dO * Y) computed first:
+- backward: the design of Triton's fused-attention tutorial, deterministic, not FlashAttention-2's
+  (one kernel, dQ accumulated with float32 atomics: 5 matmuls per pair of tiles). Two kernels
+  recompute P = exp(S - LSE) tile by tile, 7 matmuls per pair of tiles, with D = rowsum(dO * Y)
+  computed first:
   `_backward_dk_dv`, one program per key tile, walks the query tiles at and below the diagonal:
   dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q / sqrt(d_k);
   `_backward_dq`, one program per query tile, walks the key tiles as the forward does:
