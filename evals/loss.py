@@ -1,11 +1,14 @@
 """Validation loss and bits per byte over non-overlapping (or sliding) windows of a token split or
 a text file: what training reports at each evaluation and what `python evaluate.py` prints, with
-the progress both show. Downstream tasks are evals/tasks.py's."""
+the progress both show (`Progress`: a bar on a terminal, plain lines otherwise (logs, CI, pipes),
+so that nothing is silent for minutes and no log fills with bar redraws). Downstream tasks are
+evals/tasks.py's."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from base.errors import ConfigError, DataError, check, is_int, positive_int
 from base.files import read_utf8
-from base.progress import Progress
 from checkpoints.store import add_template_tokens, find_checkpoint, load_source
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
@@ -24,6 +27,54 @@ from hardware.device import Precision, resolve_device, resolve_precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
 from model.gpt import unavailable_attention
+
+
+class Progress:
+    """Progress through `total` units (training's steps, evaluation's tokens or task items;
+    None: no known end), told the count done so far. Off a terminal, `update` prints a line when
+    it is given a status (training's logged steps) or once per tenth of the total (evaluation).
+    `enabled=False` (every rank but the first) shows nothing. Use as a context manager, or
+    `start` and `close`; `message` prints a line that stays above the bar."""
+
+    def __init__(self, total: int | None, unit: str, enabled: bool = True):
+        self.total, self.unit, self.enabled, self.tenths = total, unit, enabled, 0
+        self.bar = None  # from `start` on, on a terminal; messages before it are plain lines
+
+    def start(self, done: int = 0) -> Progress:
+        if self.enabled and sys.stdout.isatty():
+            self.bar = tqdm(
+                total=self.total, initial=done, unit=self.unit, dynamic_ncols=True, leave=False
+            )
+        return self
+
+    def update(self, done: int, status: str = "") -> None:
+        tenths = done * 10 // self.total if self.total else 0
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix_str(status) if status else self.bar.refresh()
+        elif self.enabled and status:
+            print(f"{self.unit} {done} | {status}", flush=True)
+        elif self.enabled and tenths > self.tenths:
+            print(f"{done:,} of {self.total:,} {self.unit}s", flush=True)
+        self.tenths = max(self.tenths, tenths)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 # A forward's loss needs its (rows * block_size, vocab) logits in float32 at once: evaluation
 # forwards as many windows as keep them under this many (1 GB), whatever the batch size.

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import yaml
 
 from base.errors import CONFIG_DIR, ConfigError, DataError, positive_int
-from base.progress import Progress
 from data.sources import load_dataset
+from evals.loss import Progress
 from hardware.device import Precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode

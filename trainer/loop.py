@@ -25,12 +25,11 @@ from typing import Any, Literal
 import torch
 
 from base.errors import ConfigError
-from base.progress import Progress
 from checkpoints.store import Checkpoint, pretrained_model
 from data.chat import IM_END
 from data.loader import BatchSampler, PrefetchingSampler, eval_tokens
 from data.pipeline import prepare_data
-from evals.loss import EvalResult, evaluate
+from evals.loss import EvalResult, Progress, evaluate
 from hardware.device import (
     Precision,
     configure_backends,
