@@ -36,6 +36,7 @@ FEATURES = {
         ("inference/attention_plot.py", None),
         ("inference/cli.py", ["write_attention_plot"]),  # sample.py attention_plot=
         ("model/gpt.py", ["GPT.attention_probs"]),  # the page's and the plot's S
+        ("model/gpt.py", ["CausalSelfAttention.probs"]),
     ],
     "export to transformers and GGUF": [
         ("export.py", None),
@@ -92,6 +93,7 @@ FEATURES = {
     ],
     "Muon optimizer": [
         ("trainer/optim.py", ["zeropower_via_newtonschulz5", "Muon", "is_block_matrix"]),
+        ("trainer/optim.py", ["muon_group"]),
     ],
     "resume that refuses changed model, data or optimizer keys": [
         ("trainer/config.py", ["RESUMABLE", "saved_config", "resumed_config"]),
@@ -106,6 +108,7 @@ FEATURES = {
         ("hardware/device.py", ["GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_matmul_flops"]),
         ("hardware/device.py", ["measured_once", "fastest", "cpuinfo", "cpu_name"]),
         ("trainer/loop.py", ["Trainer._raise_peak"]),
+        ("model/gpt.py", ["GPT.flops_per_token"]),
     ],
     "CPU dtype=auto: bfloat16 where this CPU's probe measures it faster": [
         ("hardware/device.py", ["BF16_MIN_SPEEDUP", "AUTO_DTYPE_ENV", "cpu_auto_dtype"]),
@@ -115,6 +118,7 @@ FEATURES = {
         ("data/loader.py", ["PrefetchingSampler"]),
     ],
     "a warning when warmup outlasts a time budget": [("trainer/optim.py", ["warmup_drop"])],
+    "the wsd schedule (optim.schedule=wsd)": [("trainer/optim.py", ["wsd_progress"])],
     "loss plot (loss.png)": [("trainer/reporting.py", ["draw", "MetricsLog.plot"])],
     "sweeps (`-m`): every job validated first, a table after": [
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),
@@ -127,6 +131,9 @@ FEATURES = {
     "step checkpoints (train.keep_checkpoints) and the disk they take": [
         ("checkpoints/store.py", ["STEP_PREFIX", "prune_step_checkpoints", "checkpoint_bytes"]),
         ("trainer/checkpointing.py", ["CheckpointManager._report_disk"]),
+    ],
+    "`python -m data.prepare`: a dataset prepared alone (train.py prepares its own)": [
+        ("data/prepare.py", None),
     ],
     "sliding-window evaluation (evaluate.py stride=)": [("evals/loss.py", ["sliding_windows"])],
     "sampling filters beyond temperature and top-k: repetition penalty, top-p, min-p": [

@@ -21,19 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from base.files import link_files, write_dir_atomic
-from checkpoints.store import (
-    MODEL_FILE,
-    STEP_PREFIX,
-    Checkpoint,
-    CheckpointError,
-    check_writable,
-    checkpoint_bytes,
-    load_checkpoint,
-    prune_step_checkpoints,
-    read_config,
-    resume_source,
-    save_checkpoint,
-)
+from checkpoints import store
+from checkpoints.store import Checkpoint, CheckpointError
 from data.pipeline import PreparedData
 from hardware.distributed import DistInfo, barrier, full_model
 from model import GPT, GPTConfig
@@ -57,15 +46,15 @@ class CheckpointManager:
         self.data_sha256 = {k: v["sha256"] for k, v in self.data.meta["splits"].items()}
         self.disk_reported = False  # the first full checkpoint's size is printed once
         if self.dist.is_main:  # fail now, not at the first checkpoint
-            check_writable(self.dir)
+            store.check_writable(self.dir)
 
     def resume_checkpoint(self, resume: str | None, config: GPTConfig) -> Checkpoint | None:
         """The checkpoint `train.resume` names, if any, checked against this run's model and
         tokenizer (every rank reads it: the run dir must be on a filesystem all nodes share)."""
-        source = resume_source(resume, self.run_dir)
+        source = store.resume_source(resume, self.run_dir)
         if source is None:
             return None
-        ckpt = load_checkpoint(source, with_trainer_state=True)
+        ckpt = store.load_checkpoint(source, with_trainer_state=True)
         self._refuse_changed(ckpt, config)
         return ckpt
 
@@ -106,7 +95,7 @@ class CheckpointManager:
         a kill after a `best` write and before the next `last` leaves a `best` that `last`'s
         state does not know, and a worse model must not replace it."""
         try:
-            return float(read_config(self.dir / "best")["meta"]["val_loss"])
+            return float(store.read_config(self.dir / "best")["meta"]["val_loss"])
         except (OSError, KeyError, TypeError, ValueError):  # CheckpointError is a ValueError
             return math.inf
 
@@ -116,7 +105,7 @@ class CheckpointManager:
         weights = full_model(model)
         states = None if stateful is None else {k: get() for k, (get, _) in stateful.items()}
         if self.dist.is_main:
-            save_checkpoint(
+            store.save_checkpoint(
                 path, weights, self.resolved_config, meta, states, self.data.tokenizer_file
             )
             if states is not None and not self.disk_reported:
@@ -130,15 +119,15 @@ class CheckpointManager:
         only replaced whole), so the state is serialized and written once."""
         last = self.save("last", model, meta, stateful)
         if self.keep and self.dist.is_main:
-            name = f"{STEP_PREFIX}{meta['step']}"
+            name = f"{store.STEP_PREFIX}{meta['step']}"
             write_dir_atomic(self.dir / name, lambda tmp: link_files(last, tmp))
-            prune_step_checkpoints(self.dir, self.keep, newest=name)
+            store.prune_step_checkpoints(self.dir, self.keep, newest=name)
 
     def _report_disk(self, path: Path) -> None:
         """What this run's checkpoints will take on disk: `last` and N step checkpoints in
         full, `best` without the optimizer state."""
         self.disk_reported = True
-        full, weights = checkpoint_bytes(path), (path / MODEL_FILE).stat().st_size
+        full, weights = store.checkpoint_bytes(path), (path / store.MODEL_FILE).stat().st_size
         total = full * (1 + self.keep) + weights
         self.say(
             f"checkpoints: {format_bytes(full)} each; last + {self.keep} step checkpoints "

@@ -30,28 +30,13 @@ from data.chat import IM_END
 from data.loader import BatchSampler, PrefetchingSampler, eval_tokens
 from data.pipeline import prepare_data
 from evals.loss import EvalResult, Progress, evaluate
+from hardware import distributed
 from hardware.device import (
     Precision,
     configure_backends,
     peak_flops,
     resolve_device,
     resolve_precision,
-)
-from hardware.distributed import (
-    DistInfo,
-    all_reduce_max,
-    check_visible,
-    clip_grad_norm,
-    destroy,
-    from_main,
-    gradient_sync,
-    init_distributed,
-    load_optimizer_state,
-    main_first,
-    mean_over_ranks,
-    optimizer_state,
-    run_on_main,
-    wrap_model,
 )
 from inference.generate import SamplingParams, generate
 from model import GPT, GPTConfig, eval_mode
@@ -158,15 +143,15 @@ class Trainer:
         # and RNG streams that stay identical (dropout draws the same shapes on every rank), so
         # rank 0's RNG state, saved in checkpoints, is every rank's.
         torch.manual_seed(cfg.seed)
-        self.dist = DistInfo.from_env()
+        self.dist = distributed.DistInfo.from_env()
         sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         self.device, self.precision = self._machine(sharded)
-        self.run_dir = Path(from_main(str(run_dir)))
+        self.run_dir = Path(distributed.from_main(str(run_dir)))
         self.progress = Progress(train.max_steps, "step", enabled=self.dist.is_main)
         # The data first (rank 0 alone verifies every byte), so that its mistakes are reported
         # first; then the model it sizes, proved causal, and the tasks scored at evaluations.
-        self.data = run_on_main(lambda: prepare_data(cfg.data))
-        check_visible(self.data)
+        self.data = distributed.run_on_main(lambda: prepare_data(cfg.data))
+        distributed.check_visible(self.data)
         self.model = self._new_model(self.dist.world_size if sharded else 1)
         self.tasks = self._tasks()
         # A resumed run's weights, before FSDP shards the model; then the parallel wrapper and
@@ -177,11 +162,13 @@ class Trainer:
             self.run_dir, resolved_config, self.data, train.keep_checkpoints, self.dist,
             say=self.progress.message,
         )  # fmt: skip
-        with main_first():  # rank 0 repairs an interrupted checkpoint swap before others read
+        with (
+            distributed.main_first()
+        ):  # rank 0 repairs an interrupted checkpoint swap before others read
             resume_from = self.checkpoints.resume_checkpoint(train.resume, self.model.config)
         if resume_from is not None:
             self.model.load_state_dict(resume_from.model.state_dict())
-        self.step_model = wrap_model(
+        self.step_model = distributed.wrap_model(
             self.model, cfg.parallel.strategy, self.dist, self.device, self.precision.dtype,
             compile=cfg.compile,
         )  # fmt: skip
@@ -205,7 +192,9 @@ class Trainer:
                 "optim.name=muon is not supported with parallel.strategy=fsdp (Muon needs whole "
                 "matrices); use parallel.strategy=ddp"
             )
-        device = init_distributed(self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s)
+        device = distributed.init_distributed(
+            self.dist, resolve_device(cfg.device), cfg.parallel.timeout_s
+        )
         precision = resolve_precision(device, cfg.dtype)
         if sharded and precision.needs_grad_scaler:
             raise ConfigError("parallel.strategy=fsdp does not support float16; use bfloat16")
@@ -219,7 +208,9 @@ class Trainer:
         from evals.tasks import load_task, task_config  # loaded for tasks alone
 
         tasks = []
-        with main_first():  # rank 0 downloads a hub task once; the others read its cache
+        with (
+            distributed.main_first()
+        ):  # rank 0 downloads a hub task once; the others read its cache
             tokenizer, block_size = self.data.tokenizer(), self.model.config.block_size
             for name in self.cfg.train.eval_tasks:
                 task = {**task_config(name), "limit": self.cfg.train.eval_task_items}
@@ -244,8 +235,8 @@ class Trainer:
         stateful: Stateful = {
             "train_state": (lambda: asdict(self.state), lambda s: vars(self.state).update(s)),
             "optimizer": (
-                lambda: optimizer_state(model, optimizer),
-                lambda state: load_optimizer_state(model, optimizer, state),
+                lambda: distributed.optimizer_state(model, optimizer),
+                lambda state: distributed.load_optimizer_state(model, optimizer, state),
             ),
             "sampler": (self.sampler.state_dict, self.sampler.load_state_dict),
             "torch_rng": (torch.get_rng_state, torch.set_rng_state),
@@ -287,7 +278,9 @@ class Trainer:
         )
         # Samples are generated only for a tracker that records them: by every rank (under FSDP
         # each forward is a collective), as rank 0's tracker decides (wandb.mode or WANDB_MODE).
-        self.records_samples = bool(train.sample_tokens) and from_main(self.tracker.run is not None)
+        self.records_samples = bool(train.sample_tokens) and distributed.from_main(
+            self.tracker.run is not None
+        )
         self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
         # optim.warmup_steps under a time budget: warned of at the first logged step, once the
         # speed is known (see _log); nothing to warn of when no warmup lies ahead
@@ -377,7 +370,7 @@ class Trainer:
         for i in range(accum):
             x, y = self.sampler.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with gradient_sync(self.step_model, enabled=i == accum - 1):
+            with distributed.gradient_sync(self.step_model, enabled=i == accum - 1):
                 with self.precision.autocast():
                     _, loss = self.step_model(x, y, loss_reduction="sum")
                 loss = loss * per_target
@@ -386,7 +379,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm(self.model, max_norm)
+        grad_norm = distributed.clip_grad_norm(self.model, max_norm)
         verdict = self._verdict(loss_sum, grad_norm)
         if verdict == "step":
             if self.scaler:
@@ -407,7 +400,7 @@ class Trainer:
         # One host read for both.
         loss_finite, grads_finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()
         if not grads_finite:
-            loss_finite = not all_reduce_max([not loss_finite], self.device)[0]
+            loss_finite = not distributed.all_reduce_max([not loss_finite], self.device)[0]
         return step_verdict(loss_finite, grads_finite, scaled=self.scaler is not None)
 
     def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -441,7 +434,7 @@ class Trainer:
                 self.sampler.close()
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.step_model = self.model
-            destroy()
+            distributed.destroy()
         self._report(summary)
         return summary
 
@@ -513,7 +506,9 @@ class Trainer:
         if self.dist.enabled and not agree:
             return 0, False
         late = self.budget.spent(self.state.elapsed)
-        signum, late = all_reduce_max([received[-1] if received else 0, late], self.device)
+        signum, late = distributed.all_reduce_max(
+            [received[-1] if received else 0, late], self.device
+        )
         return int(signum), bool(late)
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
@@ -525,7 +520,7 @@ class Trainer:
                 self.progress.message(warning)
             self.warmup_told = True
         values = {
-            "loss": mean_over_ranks(loss).item(),
+            "loss": distributed.mean_over_ranks(loss).item(),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tok/s": tok_s,

@@ -211,21 +211,21 @@ def param_groups(model: nn.Module, settings: OptimSettings) -> list[dict[str, An
         groups.append(adamw("embed", settings.embed_lr, decay))
     if not muon:
         return groups
-    for group in groups:
-        group["use_muon"] = False
-    groups.append(
-        {
-            "params": members["muon"],
-            "use_muon": True,
-            "base_lr": settings.muon_lr,
-            "lr": settings.muon_lr,
-            "momentum": settings.muon_momentum,
-            "nesterov": settings.muon_nesterov,
-            "ns_steps": settings.muon_ns_steps,
-            "weight_decay": settings.muon_weight_decay,
-        }
-    )
-    return groups
+    return [*({**group, "use_muon": False} for group in groups), muon_group(members, settings)]
+
+
+def muon_group(members: dict[str, list[nn.Parameter]], settings: OptimSettings) -> dict[str, Any]:
+    """optim.name=muon: the block matrices' group, with Muon's own rate and settings."""
+    return {
+        "params": members["muon"],
+        "use_muon": True,
+        "base_lr": settings.muon_lr,
+        "lr": settings.muon_lr,
+        "momentum": settings.muon_momentum,
+        "nesterov": settings.muon_nesterov,
+        "ns_steps": settings.muon_ns_steps,
+        "weight_decay": settings.muon_weight_decay,
+    }
 
 
 def build_optimizer(
@@ -278,7 +278,16 @@ def lr_scale(
         by_steps = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
         progress = min(max(by_steps, by_time), 1.0)
         return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
-    # wsd: the decay is the last decay_fraction of the steps, or of the time budget
+    progress = wsd_progress(step, settings, max_steps, by_time)
+    return 1.0 if progress == 0.0 else floor + (1.0 - progress) * (1.0 - floor)
+
+
+def wsd_progress(
+    step: int, settings: OptimSettings, max_steps: int | None, by_time: float
+) -> float:
+    """How far the wsd schedule's decay is (0 to 1): the last decay_fraction of the steps, or
+    of the time budget, whichever is further."""
+    last = (max_steps or math.inf) - 1
     fraction = settings.decay_fraction
     decay_steps = round(fraction * max_steps) if max_steps else 0
     decay_start = max(settings.warmup_steps, last + 1 - decay_steps)
@@ -286,8 +295,7 @@ def lr_scale(
     if decay_steps > 0 and step >= decay_start:
         by_steps = 1.0 if last <= decay_start else (step - decay_start) / (last - decay_start)
     by_time = max(0.0, (by_time - (1.0 - fraction)) / fraction) if fraction > 0 else 0.0
-    progress = min(max(by_steps, by_time), 1.0)
-    return 1.0 if progress == 0.0 else floor + (1.0 - progress) * (1.0 - floor)
+    return min(max(by_steps, by_time), 1.0)
 
 
 def warmup_drop(settings: OptimSettings, max_steps: int | None, time_fraction: float) -> str | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from checkpoints import store
 from checkpoints.store import load_checkpoint
 from tests.conftest import losses, make_trainer
-from trainer import checkpointing
 
 EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG state counts too
 
@@ -15,9 +15,9 @@ EVERY_2 = ("train.ckpt_interval=2", "model.dropout=0.1")  # dropout: the RNG sta
 def test_a_run_keeps_the_n_most_recent_step_checkpoints(tmp_path, corpus, capsys, monkeypatch):
     """Each step checkpoint is `last`'s files, linked: the state is written once a save."""
     written = []
-    save = checkpointing.save_checkpoint
+    save = store.save_checkpoint
     monkeypatch.setattr(
-        checkpointing,
+        store,
         "save_checkpoint",
         lambda path, *a, **k: written.append(path.name) or save(path, *a, **k),
     )
