@@ -54,13 +54,18 @@ FEATURES = {
         ("check_causality.py", None),
         ("model/causality.py", None),
         ("trainer/preflight.py", ["GUARD_LAYERS", "causality_guard"]),
+        ("trainer/config.py", ["TrainSettings.check_causality"]),
     ],
     "downstream tasks scored as lm-evaluation-harness scores them": [
         ("evals/tasks.py", None),
         ("trainer/loop.py", ["Trainer._tasks", "Trainer._task_metrics"]),  # train.eval_tasks
+        ("trainer/config.py", ["TrainSettings.eval_tasks", "TrainSettings.eval_task_items"]),
         ("trainer/config.py", ["_tasks"]),
     ],
-    "torchrun: DDP and FSDP2": [("hardware/distributed.py", None)],
+    "torchrun: DDP and FSDP2": [
+        ("hardware/distributed.py", None),
+        ("trainer/config.py", ["ParallelSettings", "RunConfig.parallel"]),
+    ],
     "the BPE tokenizer trainer (bpe-<N>)": [
         ("data/tokenizer.py", ["FORMAT", "TRAINER_VERSION", "PATTERN", "MIN_VOCAB", "BPE"]),
         ("data/tokenizer.py", ["TrainStats", "_merge", "train_bpe"]),
@@ -76,6 +81,7 @@ FEATURES = {
     "tiled FlashAttention (attention: flash)": [
         ("model/flash_attention.py", None),
         ("model/gpt.py", ["flash"]),
+        ("model/gpt.py", ["GPTConfig.flash_block_q", "GPTConfig.flash_block_k"]),
     ],
     "Triton GPU kernel (attention: triton)": [
         ("model/triton_attention.py", None),
@@ -84,6 +90,7 @@ FEATURES = {
     "memory estimate before allocating": [
         ("trainer/preflight.py", ["MemoryEstimate", "estimate_memory"]),
         ("trainer/preflight.py", ["available_memory", "check_memory"]),
+        ("trainer/config.py", ["TrainSettings.skip_memory_check"]),
     ],
     "CPU decoding: row-block copy, thread choice, dtype probe": [
         ("hardware/device.py", ["SplitLinear", "is_sharded", "decodes_from_a_copy"]),
@@ -94,6 +101,9 @@ FEATURES = {
     "Muon optimizer": [
         ("trainer/optim.py", ["zeropower_via_newtonschulz5", "Muon", "is_block_matrix"]),
         ("trainer/optim.py", ["muon_group"]),
+        ("trainer/config.py", ["OptimSettings.muon_lr", "OptimSettings.muon_momentum"]),
+        ("trainer/config.py", ["OptimSettings.muon_nesterov", "OptimSettings.muon_ns_steps"]),
+        ("trainer/config.py", ["OptimSettings.muon_weight_decay", "_momentum"]),
     ],
     "resume that refuses changed model, data or optimizer keys": [
         ("trainer/config.py", ["RESUMABLE", "saved_config", "resumed_config"]),
@@ -103,11 +113,12 @@ FEATURES = {
     "Weights & Biases tracker, with samples at each evaluation": [
         ("trainer/reporting.py", ["resolve_mode", "Tracker"]),
         ("trainer/loop.py", ["Trainer._samples"]),
+        ("trainer/config.py", ["WandbSettings", "RunConfig.wandb", "TrainSettings.sample_tokens"]),
     ],
     "MFU: peak FLOP/s measured or looked up": [
         ("hardware/device.py", ["GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_matmul_flops"]),
         ("hardware/device.py", ["measured_once", "fastest", "cpuinfo", "cpu_name"]),
-        ("trainer/loop.py", ["Trainer._raise_peak"]),
+        ("trainer/loop.py", ["Trainer._raise_peak", "Trainer._mfu", "Trainer._mfu_peak"]),
         ("model/gpt.py", ["GPT.flops_per_token"]),
     ],
     "CPU dtype=auto: bfloat16 where this CPU's probe measures it faster": [
@@ -117,8 +128,14 @@ FEATURES = {
     "GPU input pipeline: batches read ahead into pinned memory": [
         ("data/loader.py", ["PrefetchingSampler"]),
     ],
-    "a warning when warmup outlasts a time budget": [("trainer/optim.py", ["warmup_drop"])],
-    "the wsd schedule (optim.schedule=wsd)": [("trainer/optim.py", ["wsd_progress"])],
+    "a warning when warmup outlasts a time budget": [
+        ("trainer/optim.py", ["warmup_drop"]),
+        ("trainer/loop.py", ["Trainer._warn_warmup"]),
+    ],
+    "the wsd schedule (optim.schedule=wsd)": [
+        ("trainer/optim.py", ["wsd_progress"]),
+        ("trainer/config.py", ["OptimSettings.decay_fraction"]),
+    ],
     "loss plot (loss.png)": [("trainer/reporting.py", ["draw", "MetricsLog.plot"])],
     "sweeps (`-m`): every job validated first, a table after": [
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),
@@ -127,20 +144,38 @@ FEATURES = {
     "a non-finite step: stop or skip (train.on_nan)": [
         ("trainer/loop.py", ["MAX_SKIPPED_STEPS", "TrainingError", "Verdict", "step_verdict"]),
         ("trainer/loop.py", ["Trainer._verdict", "Trainer._non_finite"]),
+        ("trainer/config.py", ["TrainSettings.on_nan"]),
     ],
     "step checkpoints (train.keep_checkpoints) and the disk they take": [
         ("checkpoints/store.py", ["STEP_PREFIX", "prune_step_checkpoints", "checkpoint_bytes"]),
         ("trainer/checkpointing.py", ["CheckpointManager._report_disk"]),
+        ("trainer/config.py", ["TrainSettings.keep_checkpoints"]),
     ],
     "`python -m data.prepare`: a dataset prepared alone (train.py prepares its own)": [
         ("data/prepare.py", None),
     ],
     "sliding-window evaluation (evaluate.py stride=)": [("evals/loss.py", ["sliding_windows"])],
+    "evaluate.py text_file=: any UTF-8 file scored": [("evals/loss.py", ["text_file_tokens"])],
+    "a time budget (train.max_seconds): the clock's share of the schedule, said at the start": [
+        ("trainer/loop.py", ["Budget.time_fraction", "Budget.spent", "Budget.left_out"]),
+        ("trainer/config.py", ["TrainSettings.max_seconds"]),
+    ],
+    "datasets: an unreachable hub said at once, progress bars on a terminal only": [
+        ("data/sources.py", ["refuse_unreachable_hub", "progress_bars"]),
+    ],
+    "sample.py without checkpoint=: the newest run under ./outputs": [
+        ("checkpoints/store.py", ["find_checkpoint"]),
+    ],
     "sampling filters beyond temperature and top-k: repetition penalty, top-p, min-p": [
         ("inference/generate.py", ["apply_repetition_penalty", "top_p_filter", "min_p_filter"]),
+        ("inference/generate.py", ["SamplingParams.top_p", "SamplingParams.min_p"]),
+        ("inference/generate.py", ["SamplingParams.repetition_penalty"]),
     ],
-    "architecture options: RoPE, RMSNorm": [
+    "architecture options: RoPE, RMSNorm, and the keys of every option": [
         ("model/gpt.py", ["RMSNorm", "rope_tables", "apply_rope"]),
+        ("model/gpt.py", ["GPTConfig.rope_base", "GPTConfig.pos_embedding", "GPTConfig.norm"]),
+        ("model/gpt.py", ["GPTConfig.qk_norm", "GPTConfig.mlp", "GPTConfig.mlp_ratio"]),
+        ("model/gpt.py", ["GPTConfig.logit_softcap", "GPTConfig.zero_init_proj"]),
     ],
     "chat: template, conversation data, chat in sample.py and serve.py": [
         ("data/chat.py", None),

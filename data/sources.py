@@ -317,14 +317,7 @@ def load_dataset(
 
     remote = path not in LOCAL_BUILDERS and not Path(path).exists()
     if remote and not datasets.config.HF_DATASETS_OFFLINE:
-        hub = urlsplit(datasets.config.HF_ENDPOINT)
-        try:
-            socket.create_connection((hub.hostname, hub.port or 443), timeout=10).close()
-        except OSError:
-            raise DataError(
-                f"could not load {path!r}: the Hugging Face hub ({hub.netloc}) is unreachable"
-                f"{without_network}, or set HF_DATASETS_OFFLINE=1 to use a cached copy"
-            ) from None
+        refuse_unreachable_hub(path, without_network)
     try:
         return datasets.load_dataset(path, subset, split=split, **kwargs)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # what the hub raises
@@ -334,6 +327,21 @@ def load_dataset(
             f"{type(e).__name__}: {first_line}; check the name and network access"
             f"{without_network if remote else ''}"
         ) from e
+
+
+def refuse_unreachable_hub(path: str, without_network: str) -> None:
+    """A DataError at once when the hub cannot be reached (its client would retry for half a
+    minute before failing)."""
+    import datasets
+
+    hub = urlsplit(datasets.config.HF_ENDPOINT)
+    try:
+        socket.create_connection((hub.hostname, hub.port or 443), timeout=10).close()
+    except OSError:
+        raise DataError(
+            f"could not load {path!r}: the Hugging Face hub ({hub.netloc}) is unreachable"
+            f"{without_network}, or set HF_DATASETS_OFFLINE=1 to use a cached copy"
+        ) from None
 
 
 def load_split(cfg: dict[str, Any], split: str) -> datasets.Dataset | datasets.IterableDataset:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tiktoken
 import torch
 from tqdm import tqdm
 
@@ -173,6 +174,17 @@ def evaluate(
     return EvalResult(loss=mean, bpb=bpb, tokens=int(scored), stderr=stderr)
 
 
+def text_file_tokens(path: str, tokenizer: tiktoken.Encoding) -> tuple[np.ndarray, int, str]:
+    """evaluate.py text_file=: the tokens of any UTF-8 file (after an <|endoftext|>), its bytes
+    and its name."""
+    file = Path(path).expanduser()
+    text = read_utf8(file, "text_file")
+    if not text:
+        raise DataError(f"text_file {file} is empty: there is nothing to score")
+    tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
+    return tokens, len(text.encode("utf-8")), str(file)
+
+
 def evaluate_checkpoint(
     cfg: Mapping[str, Any], say: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -199,13 +211,8 @@ def evaluate_checkpoint(
         tasks = score_tasks(ckpt.model, tokenizer, task_cfgs, precision, say)
         return {"checkpoint": str(ckpt.path), "tasks": tasks}
     if cfg["text_file"]:
-        file = Path(cfg["text_file"]).expanduser()
-        text = read_utf8(file, "text_file")
-        if not text:
-            raise DataError(f"text_file {file} is empty: there is nothing to score")
-        tokens = np.array([tokenizer.eot_token, *tokenizer.encode_ordinary(text)], dtype=np.int64)
+        tokens, nbytes, source = text_file_tokens(cfg["text_file"], tokenizer)
         mask = None
-        source, nbytes = str(file), len(text.encode("utf-8"))
     else:
         named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
         data_cfg = named or ckpt.run_config.get("data")

@@ -17,19 +17,12 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from base.errors import ConfigError, check, is_int, user_errors
+from base.errors import ConfigError, check, non_negative_int, positive_int, user_errors
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within
 from hardware.device import decoding_dtype, resolve_device
-from inference.attention_plot import (
-    formula_view,
-    plot_attention,
-    plot_formula,
-    prompt_attention,
-    row_lines,
-    token_labels,
-)
+from inference import attention_plot
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
 from model import GPT
 
@@ -51,10 +44,10 @@ def write_attention_plot(
 ) -> None:
     """Draw the prompt's attention probabilities S of `layer` (default the last) to `path`."""
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
-    probs = prompt_attention(model, idx, layer)  # refuses a layer out of range
+    probs = attention_plot.prompt_attention(model, idx, layer)  # refuses a layer out of range
     n_layer, shown = model.config.n_layer, -1 if layer is None else layer
     title = f"Causal attention probabilities S, layer {shown % n_layer} (layers 0 to {n_layer - 1})"
-    plot_attention(probs, token_labels(tokenizer, ids), path, title)
+    attention_plot.plot_attention(probs, attention_plot.token_labels(tokenizer, ids), path, title)
 
 
 def write_formula(
@@ -64,10 +57,10 @@ def write_formula(
     computation printed."""
     layer = model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
-    view = formula_view(model, idx, layer, cfg["formula_head"], cfg["formula_row"])
-    labels = token_labels(tokenizer, ids)
-    plot_formula(view, labels, cfg["formula"])
-    print(*row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
+    view = attention_plot.formula_view(model, idx, layer, cfg["formula_head"], cfg["formula_row"])
+    labels = attention_plot.token_labels(tokenizer, ids)
+    attention_plot.plot_formula(view, labels, cfg["formula"])
+    print(*attention_plot.row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
 
 
 def read_messages(value: Any) -> list[dict[str, str]] | None:
@@ -170,10 +163,6 @@ def chat_replies(
     return converse(ckpt, model, settings, messages or system, out, err, sys.stdin)
 
 
-def _int_at_least(name: str, value: Any, minimum: int) -> int:
-    return check(name, value, is_int(value, minimum), f"an integer >= {minimum}")
-
-
 def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
     """Sample as configured (see configs/sample.yaml); return the completions (without the
     prompt). Samples go to `out` (stdout), notes to `err` (stderr). Raises ValueError (and
@@ -181,9 +170,9 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     out, err = out or sys.stdout, err or sys.stderr
     # validate everything cheap before loading a model
     params = SamplingParams(**{f.name: cfg[f.name] for f in dataclasses.fields(SamplingParams)})
-    num_samples = _int_at_least("num_samples", cfg["num_samples"], 1)
-    max_new_tokens = _int_at_least("max_new_tokens", cfg["max_new_tokens"], 0)
-    seed = _int_at_least("seed", cfg["seed"], 0)
+    num_samples = positive_int("num_samples", cfg["num_samples"])
+    max_new_tokens = non_negative_int("max_new_tokens", cfg["max_new_tokens"])
+    seed = non_negative_int("seed", cfg["seed"])
     stop = cfg["stop"] or []
     stop = [stop] if isinstance(stop, str) else stop  # stop=ro: one string, not 'r' and 'o'
     check("stop", stop, isinstance(stop, Sequence), "a string or a list like '[\"\\n\\n\"]'")

@@ -124,6 +124,18 @@ class Budget:
         """How far the clock is through the budget (0 without one): the schedule decays by it."""
         return elapsed / self.max_seconds if self.max_seconds else 0.0
 
+    def left_out(self, final_eval: str, val_tokens: int) -> str:
+        """What the clock does not count, said at the start (issue 50: 300 s ran 504 s)."""
+        if not self.max_seconds:
+            return ""
+        final = {
+            "whole": f" and the final evaluation of the whole validation split ({val_tokens:,} "
+            "tokens; train.final_eval=periodic evaluates train.eval_steps batches instead)",
+            "periodic": " and the final evaluation (train.eval_steps batches)",
+            "none": "",
+        }[final_eval]
+        return f"\nnot counted in train.max_seconds: start-up{final}"
+
     def spent(self, elapsed: float) -> bool:
         return self.max_seconds is not None and elapsed >= self.max_seconds
 
@@ -162,9 +174,8 @@ class Trainer:
             self.run_dir, resolved_config, self.data, train.keep_checkpoints, self.dist,
             say=self.progress.message,
         )  # fmt: skip
-        with (
-            distributed.main_first()
-        ):  # rank 0 repairs an interrupted checkpoint swap before others read
+        # rank 0 repairs an interrupted checkpoint swap before the others read
+        with distributed.main_first():
             resume_from = self.checkpoints.resume_checkpoint(train.resume, self.model.config)
         if resume_from is not None:
             self.model.load_state_dict(resume_from.model.state_dict())
@@ -208,9 +219,8 @@ class Trainer:
         from evals.tasks import load_task, task_config  # loaded for tasks alone
 
         tasks = []
-        with (
-            distributed.main_first()
-        ):  # rank 0 downloads a hub task once; the others read its cache
+        # rank 0 downloads a hub task once; the others read its cache
+        with distributed.main_first():
             tokenizer, block_size = self.data.tokenizer(), self.model.config.block_size
             for name in self.cfg.train.eval_tasks:
                 task = {**task_config(name), "limit": self.cfg.train.eval_task_items}
@@ -264,10 +274,7 @@ class Trainer:
         train, world = self.cfg.train, self.dist.world_size
         block_size = self.model.config.block_size
         self.tokens_per_step = train.batch_size * train.grad_accum_steps * world * block_size
-        self.tokens_per_flop = world / self.model.flops_per_token(block_size)
-        peak, self.peak_source = peak_flops(self.precision)
-        self.peak_tokens_per_s = peak and peak * self.tokens_per_flop
-        self.peak_remeasured = False
+        self._mfu_peak(world, block_size)
         self.tracker = Tracker(
             self.cfg.wandb, self.run_dir, resolved_config, self.state.wandb_id,
             enabled=self.dist.is_main,
@@ -477,14 +484,7 @@ class Trainer:
         world, train = self.dist.world_size, self.cfg.train
         ranks = f", {world} ranks ({self.cfg.parallel.strategy})" if self.dist.enabled else ""
         val, budget = len(self.data.tokens("val")), f"budget: {self.budget}"
-        if train.max_seconds:  # what the clock leaves out (issue 50: 300 s ran 504 s)
-            final = {
-                "whole": f" and the final evaluation of the whole validation split ({val:,} "
-                "tokens; train.final_eval=periodic evaluates train.eval_steps batches instead)",
-                "periodic": " and the final evaluation (train.eval_steps batches)",
-                "none": "",
-            }[train.final_eval]
-            budget += f"\nnot counted in train.max_seconds: start-up{final}"
+        budget += self.budget.left_out(train.final_eval, val)
         self.progress.message(
             f"run dir: {self.run_dir}\n"
             f"model: {self.model.num_params() / 1e6:.2f}M parameters, {self.model.config}\n"
@@ -512,28 +512,44 @@ class Trainer:
         return int(signum), bool(late)
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
-        if not self.warmup_told:  # where the clock will be when warmup ends, at this speed
-            steps_left = max(self.cfg.optim.warmup_steps - self.state.step, 0)
-            ends = self.state.elapsed + steps_left * self.tokens_per_step / tok_s
-            fraction = self.budget.time_fraction(ends)
-            if warning := warmup_drop(self.cfg.optim, self.cfg.train.max_steps, fraction):
-                self.progress.message(warning)
-            self.warmup_told = True
+        if not self.warmup_told:
+            self._warn_warmup(tok_s)
         values = {
             "loss": distributed.mean_over_ranks(loss).item(),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm.item(),
             "tok/s": tok_s,
+            **self._mfu(tok_s),
         }
-        if self.peak_tokens_per_s:
-            if tok_s > self.peak_tokens_per_s and self.device.type == "cpu":
-                self._raise_peak(tok_s)
-            values["mfu"] = tok_s / self.peak_tokens_per_s
         step = self.state.step
         eta = self.budget.eta(step, self.state.elapsed, self.tokens_per_step / tok_s)
         self.progress.update(step, f"{format_metrics(values)} | eta {format_seconds(eta)}")
         metrics = {f"train/{k.replace('tok/s', 'tokens_per_s')}": v for k, v in values.items()}
         self._record(metrics, step)
+
+    def _warn_warmup(self, tok_s: float) -> None:
+        """At the first logged step: where the clock will be when warmup ends, at this speed."""
+        steps_left = max(self.cfg.optim.warmup_steps - self.state.step, 0)
+        ends = self.state.elapsed + steps_left * self.tokens_per_step / tok_s
+        fraction = self.budget.time_fraction(ends)
+        if warning := warmup_drop(self.cfg.optim, self.cfg.train.max_steps, fraction):
+            self.progress.message(warning)
+        self.warmup_told = True
+
+    def _mfu_peak(self, world: int, block_size: int) -> None:
+        """The peak tokens/s of every rank together: the device's FLOP/s over a token's."""
+        self.tokens_per_flop = world / self.model.flops_per_token(block_size)
+        peak, self.peak_source = peak_flops(self.precision)
+        self.peak_tokens_per_s = peak and peak * self.tokens_per_flop
+        self.peak_remeasured = False
+
+    def _mfu(self, tok_s: float) -> dict[str, float]:
+        """{"mfu": tokens/s over the peak}, or {} where no peak is known."""
+        if not self.peak_tokens_per_s:
+            return {}
+        if tok_s > self.peak_tokens_per_s and self.device.type == "cpu":
+            self._raise_peak(tok_s)
+        return {"mfu": tok_s / self.peak_tokens_per_s}
 
     def _raise_peak(self, tok_s: float) -> None:
         """The run beat the CPU's peak: it was measured on a busy machine. Measure it again,
