@@ -235,9 +235,8 @@ class Trainer:
         sampler = BatchSampler(
             tokens, block_size, train.batch_size, self.cfg.seed, dist.rank, dist.world_size, mask
         )
-        return (
-            PrefetchingSampler(sampler, pin_memory=True) if self.device.type == "cuda" else sampler
-        )
+        cuda = self.device.type == "cuda"
+        return PrefetchingSampler(sampler, pin_memory=True) if cuda else sampler
 
     def _stateful(self) -> Stateful:
         """The training state, in one place: what `last` holds besides the weights, by name."""
@@ -644,12 +643,10 @@ class Trainer:
         step, evaluated = self.last_eval or (None, None)
         if cfg.final_eval != "none" and step != self.state.step:
             evaluated = self._validate()  # the final model competes for `best` too
-        last = self.save("last")
-        final = None
+        last, best = self.save("last"), self.checkpoints.dir / "best"
+        final = evaluated if cfg.final_eval == "periodic" else None  # eval_steps, at this step
         if cfg.final_eval == "whole":
             final = self.val_loss(whole_split=True)
-        elif cfg.final_eval == "periodic":
-            final = evaluated  # the fixed eval_steps subset, evaluated at this step
         summary = {
             "step": self.state.step,
             "train_seconds": round(self.state.elapsed, 2),
@@ -658,9 +655,7 @@ class Trainer:
             "val_tokens": None if final is None else final.tokens,
             "final_eval": cfg.final_eval,
             "checkpoint": str(last),
-            "best_checkpoint": str(best)
-            if (best := self.checkpoints.dir / "best").is_dir()
-            else None,
+            "best_checkpoint": str(best) if best.is_dir() else None,
         }
         if final is not None:
             self._record(final.metrics("final_val"), self.state.step)
