@@ -52,3 +52,30 @@ def test_the_smoke_run_writes_every_table_with_measured_rows(tmp_path):
         assert rows and all(check(row) for row in rows), (name, rows)
     assert len(data_rows(tmp_path / "out" / "attention.md")) == 2  # sdpa and triton
     assert len(data_rows(tmp_path / "out" / "step.md")) == 3  # sdpa, padded vocab, triton
+
+
+@pytest.mark.slow
+def test_the_staged_directory_installs_what_the_gpu_machine_lacks(tmp_path):
+    """scripts/gpu_stage.sh: nanoGPT beside the wheels of Hydra and OmegaConf (the GPU machine's
+    image has neither, and cannot download), which install from the directory alone."""
+    anchor = tmp_path / "anchor"
+    anchor.mkdir()
+    (anchor / "bench.py").write_text("# nanoGPT's benchmark\n")
+    stage, env = tmp_path / "stage", {**os.environ, "PYTHON": sys.executable}
+    missing = subprocess.run(
+        [ROOT / "scripts" / "gpu_stage.sh", stage], capture_output=True, text=True,
+        env={**env, "NANOGPT": str(tmp_path / "none")},
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no nanoGPT bench.py in" in missing.stderr
+    staged = subprocess.run(
+        [ROOT / "scripts" / "gpu_stage.sh", stage], capture_output=True, text=True,
+        env={**env, "NANOGPT": str(anchor)}, timeout=300,
+    )  # fmt: skip
+    assert staged.returncode == 0, staged.stdout + staged.stderr
+    assert (stage / "nanoGPT" / "bench.py").read_text() == "# nanoGPT's benchmark\n"
+    assert "scripts/gpu_check.sh $OUT/gpu" in staged.stdout  # the device command
+    wheels = sorted(str(w) for w in (stage / "whl").glob("*.whl"))
+    site = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    subprocess.run([*install, "--target", site, *wheels], check=True)
+    assert {"hydra", "omegaconf", "antlr4"} <= {p.name for p in site.iterdir()}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Stage what scripts/gpu_check.sh needs on a lent GPU machine, here, before the first device call.
+#
+# The device machine gets this repository and nothing beside it, and cannot reach PyPI: its image
+# has torch, triton, numpy, tiktoken, safetensors, pyyaml and tqdm, but not Hydra, and
+# ../shared/anchors/nanoGPT does not travel. This copies nanoGPT and the missing packages' wheels
+# into .gpu/ (ignored by git through .git/info/exclude), and prints the one device command that
+# carries .gpu and runs the whole check: the lent minutes then go to measuring, not to setup.
+#
+# Usage, from anywhere: scripts/gpu_stage.sh [DIR]   (DIR: .gpu in the repository, the default)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PYTHON=${PYTHON:-python}
+NANOGPT=${NANOGPT:-$ROOT/../shared/anchors/nanoGPT}
+DIR=${1:-.gpu}
+
+[[ -f $NANOGPT/bench.py ]] || { echo "gpu_stage: no nanoGPT bench.py in $NANOGPT; set NANOGPT" >&2; exit 2; }
+grep -qx '/.gpu/' .git/info/exclude 2> /dev/null || echo '/.gpu/' >> .git/info/exclude
+rm -rf "$DIR" && mkdir -p "$DIR/whl"
+cp -r "$NANOGPT" "$DIR/nanoGPT"
+# Pure-Python packages, so a wheel built here installs on the device's Python 3.12 as well
+# (antlr4's runtime 4.9.3, Hydra's pin, is published as a source archive only).
+"$PYTHON" -m pip wheel --quiet --no-deps -w "$DIR/whl" \
+  hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+du -sh "$DIR" | sed 's/^/staged: /'
+
+cat << 'EOF'
+device command (run(command=..., carry=[".gpu"], timeout_s=600)):
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site PYTHON=python3 NANOGPT=.gpu/nanoGPT PYTHONUNBUFFERED=1 && scripts/gpu_check.sh $OUT/gpu
+EOF
