@@ -13,7 +13,8 @@
 # that fails or runs past its time limit (570 s in all, within a device call's 600) is reported,
 # and the next one runs. Exits 1 if any failed.
 #
-# Usage, from anywhere: scripts/gpu_check.sh [--smoke] OUT_DIR
+# Usage, from anywhere: scripts/gpu_check.sh [--smoke] OUT_DIR (on a lent GPU: scripts/gpu_stage.sh
+# here first, and its device command)
 #   --smoke: the same steps on a CPU, in a minute or two: the kernel under Triton's interpreter,
 #   tiny shapes, nanoGPT's bench.py with its CPU options and its model shrunk to one layer of 64
 #   through its GPTConfig (bench.py builds GPT-2 124M: 4.5 s a step on 2 cores). CI runs it
