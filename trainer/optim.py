@@ -272,8 +272,8 @@ def lr_scale(
     if settings.schedule == "constant":
         return 1.0
     by_time = min(max(time_fraction, 0.0), 1.0)
-    last = (max_steps or math.inf) - 1  # no step limit: the steps make no progress
     if settings.schedule == "cosine":
+        last = (max_steps or math.inf) - 1  # no step limit: the steps make no progress
         span = last - settings.warmup_steps
         by_steps = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
         progress = min(max(by_steps, by_time), 1.0)
@@ -287,7 +287,7 @@ def wsd_progress(
 ) -> float:
     """How far the wsd schedule's decay is (0 to 1): the last decay_fraction of the steps, or
     of the time budget, whichever is further."""
-    last = (max_steps or math.inf) - 1
+    last = (max_steps or math.inf) - 1  # no step limit: the steps make no progress
     fraction = settings.decay_fraction
     decay_steps = round(fraction * max_steps) if max_steps else 0
     decay_start = max(settings.warmup_steps, last + 1 - decay_steps)
