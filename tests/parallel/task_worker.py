@@ -13,14 +13,17 @@ import torch
 import torch.distributed as dist
 
 from evals.tasks import load_task, score_task, task_config
-from hardware.distributed import DistInfo, wrap_model
+from hardware.distributed import DistInfo, main_first, wrap_model
 from tests.conftest import CPU, GPT2, model_for
 
 dist.init_process_group("gloo")
 model = model_for()
 if sys.argv[2] == "fsdp":
     model = wrap_model(model, "fsdp", DistInfo.from_env(), torch.device("cpu"))
-task = load_task({**task_config("hellaswag"), "data_files": sys.argv[1]}, GPT2, 64)
+# Rank 0 builds the datasets cache first, as the Trainer loads tasks: two ranks building it at
+# once race (a rank once aborted there under CI's load).
+with main_first():
+    task = load_task({**task_config("hellaswag"), "data_files": sys.argv[1]}, GPT2, 64)
 metrics = score_task(model, task, CPU, dist.get_rank(), dist.get_world_size())
 if dist.get_rank() == 0:
     print(json.dumps(metrics))
