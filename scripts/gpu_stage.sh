@@ -4,7 +4,7 @@
 # The device machine gets this repository and nothing beside it, and cannot reach PyPI: its image
 # has torch, triton, numpy, tiktoken, safetensors, pyyaml and tqdm, but not Hydra, and
 # ../shared/anchors/nanoGPT does not travel. This copies nanoGPT and the missing packages' wheels
-# into .gpu/ (ignored by git through .git/info/exclude), and prints the one device command that
+# into .gpu/ (ignored by .gitignore), and prints the one device command that
 # carries .gpu and runs the whole check: the lent minutes then go to measuring, not to setup.
 #
 # Usage, from anywhere: scripts/gpu_stage.sh [DIR]   (DIR: .gpu in the repository, the default)
@@ -16,7 +16,6 @@ NANOGPT=${NANOGPT:-$ROOT/../shared/anchors/nanoGPT}
 DIR=${1:-.gpu}
 
 [[ -f $NANOGPT/bench.py ]] || { echo "gpu_stage: no nanoGPT bench.py in $NANOGPT; set NANOGPT" >&2; exit 2; }
-grep -qx '/.gpu/' .git/info/exclude 2> /dev/null || echo '/.gpu/' >> .git/info/exclude
 rm -rf "$DIR" && mkdir -p "$DIR/whl"
 cp -r "$NANOGPT" "$DIR/nanoGPT"
 # Pure-Python packages, so a wheel built here installs on the device's Python 3.12 as well

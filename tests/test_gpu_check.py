@@ -79,3 +79,5 @@ def test_the_staged_directory_installs_what_the_gpu_machine_lacks(tmp_path):
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
     subprocess.run([*install, "--target", site, *wheels], check=True)
     assert {"hydra", "omegaconf", "antlr4"} <= {p.name for p in site.iterdir()}
+    # ignored, so it travels only with carry=[".gpu"] and never lands in a commit
+    assert "/.gpu/" in (ROOT / ".gitignore").read_text().split()
