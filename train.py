@@ -31,16 +31,14 @@ def main(cfg: DictConfig) -> None:
             acquire_run_lock(run_dir)
         trainer = Trainer(settings, run_dir, resolved)
     if trainer.dist.is_main:  # only now: a failed or refused attempt leaves a run's files alone
-        continues = settings.train.resume == "auto"
-        write_run_files(run_dir, resolved, overrides, hydra_cfg, continues)
+        write_run_files(run_dir, resolved, overrides, hydra_cfg, settings.train.resume == "auto")
     try:
         trainer.run()
     except TrainingInterrupted as e:
         print(str(e), file=sys.stderr)
         sys.exit(128 + e.signum)
     except (TrainingError, CheckpointError) as e:  # a non-finite loss; a full disk
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {e}")  # to stderr, exit code 1
 
 
 if __name__ == "__main__":

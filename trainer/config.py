@@ -329,9 +329,8 @@ def _validated(resolved: dict[str, Any]) -> RunConfig:
 
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
-    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    resolved.pop("hydra", None)
-    return resolved
+    """The plain tree; Hydra keeps its own `hydra` node out of a task's and compose's config."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
 def saved_config(resume: str, run_dir: str | Path) -> dict[str, Any] | None:

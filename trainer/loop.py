@@ -184,8 +184,8 @@ class Trainer:
             compile=cfg.compile,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        scaled = self.precision.needs_grad_scaler  # float16
-        self.scaler = torch.amp.GradScaler(self.device.type) if scaled else None
+        scaled = self.precision.needs_grad_scaler  # float16; else the scaler passes all through
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=scaled)
         self.sampler = self._sampler()
         self.state = TrainState()  # with the others, what `last` holds besides the weights
         self.stateful = self._stateful()
@@ -252,7 +252,7 @@ class Trainer:
         }
         if self.device.type == "cuda":
             stateful["cuda_rng"] = (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
-        if scaler is not None:
+        if scaler.is_enabled():
             stateful["scaler"] = (scaler.state_dict, scaler.load_state_dict)
         return stateful
 
@@ -380,20 +380,15 @@ class Trainer:
                 with self.precision.autocast():
                     _, loss = self.step_model(x, y, loss_reduction="sum")
                 loss = loss * per_target
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = distributed.clip_grad_norm(self.model, max_norm)
+        self.scaler.unscale_(self.optimizer)
+        # optim.grad_clip=0: no clipping
+        grad_norm = distributed.clip_grad_norm(self.model, cfg.optim.grad_clip or math.inf)
         verdict = self._verdict(loss_sum, grad_norm)
         if verdict == "step":
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
-        if self.scaler:  # after unscale_, on every step: a skipped one lowers its scale
-            self.scaler.update()
+            self.scaler.step(self.optimizer)
+        self.scaler.update()  # after unscale_, on every step: a skipped one lowers its scale
         self.optimizer.zero_grad(set_to_none=True)
         if verdict == "diverged":
             self._non_finite(loss_sum, grad_norm)
@@ -407,7 +402,7 @@ class Trainer:
         loss_finite, grads_finite = torch.stack([loss.isfinite(), grad_norm.isfinite()]).tolist()
         if not grads_finite:
             loss_finite = not distributed.all_reduce_max([not loss_finite], self.device)[0]
-        return step_verdict(loss_finite, grads_finite, scaled=self.scaler is not None)
+        return step_verdict(loss_finite, grads_finite, scaled=self.scaler.is_enabled())
 
     def _non_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         what = f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}"
@@ -447,19 +442,16 @@ class Trainer:
     def _loop(self, received: list[int]) -> None:
         cfg, state = self.cfg.train, self.state
         max_steps = cfg.max_steps or math.inf  # None: the time budget alone ends the run
-        loop_start, elapsed_at_start = time.perf_counter(), state.elapsed
+        # the clock: seconds in the training loop, summed over resumes
+        started = time.perf_counter() - state.elapsed
         timed_from, timed_steps = time.perf_counter(), 0  # tokens/s is timed_steps over this
         first_step = state.step
-
-        def clock() -> float:  # seconds in the training loop, summed over resumes
-            return elapsed_at_start + time.perf_counter() - loop_start
-
         signum, out_of_time = self._stop_requested(received)
         while state.step < max_steps and not out_of_time:
             loss, grad_norm = self.train_step()
             state.step += 1
             timed_steps += 1
-            state.elapsed = clock()
+            state.elapsed = time.perf_counter() - started
             logged = state.step % cfg.log_interval == 0 or state.step == max_steps
             if logged:
                 tok_s = timed_steps * self.tokens_per_step / (time.perf_counter() - timed_from)
@@ -473,7 +465,7 @@ class Trainer:
                 timed_from, timed_steps = time.perf_counter(), 0  # evaluation or save
             # Decided after the evaluation: a budget it spends ends the run at this step, whose
             # evaluation is then the final one (not a second one, a step later).
-            state.elapsed = clock()
+            state.elapsed = time.perf_counter() - started
             signum, out_of_time = self._stop_requested(received, agree=logged or evaluated)
             if signum:
                 self._interrupted(signum)
@@ -504,10 +496,8 @@ class Trainer:
         waits on a collective; a single process decides at every step."""
         if self.dist.enabled and not agree:
             return 0, False
-        late = self.budget.spent(self.state.elapsed)
-        signum, late = distributed.all_reduce_max(
-            [received[-1] if received else 0, late], self.device
-        )
+        local = [received[-1] if received else 0, self.budget.spent(self.state.elapsed)]
+        signum, late = distributed.all_reduce_max(local, self.device)
         return int(signum), bool(late)
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, tok_s: float) -> None:
@@ -599,13 +589,11 @@ class Trainer:
 
     def _task_metrics(self) -> dict[str, float]:
         """Score train.eval_tasks (each rank its share of the items), each in one line."""
-        metrics = {}
+        metrics, rank, world = {}, self.dist.rank, self.dist.world_size
         for task in self.tasks:
             from evals.tasks import score_task, task_line
 
-            scores = score_task(
-                self.model, task, self.precision, self.dist.rank, self.dist.world_size
-            )
+            scores = score_task(self.model, task, self.precision, rank, world)
             self.progress.message(f"step {self.state.step} | {task_line(task.name, scores)}")
             metrics |= {
                 f"{task.name}/{k}": v for k, v in scores.items() if k != "items" and v is not None
@@ -624,14 +612,13 @@ class Trainer:
             prompts = [val[: int(mask.argmax())].tolist()]
             end = tokenizer.encode_single_token(IM_END)
         generator = torch.Generator(self.device).manual_seed(self.cfg.seed)
-        params = SamplingParams()  # sample.py's
         n = self.cfg.train.sample_tokens
         settings = dict(eot_token=end, vocab_size=tokenizer.n_vocab)
         rows = []
-        for prompt in prompts:
+        for prompt in prompts:  # drawn with sample.py's SamplingParams
             idx = torch.tensor([prompt[-self.model.config.block_size :]], device=self.device)
             with eval_mode(self.model), self.precision.autocast():
-                out = generate(self.model, idx, n, params, generator, **settings)
+                out = generate(self.model, idx, n, SamplingParams(), generator, **settings)
             new = [t for t in out[0, idx.size(1) :].tolist() if t != end]
             rows.append((tokenizer.decode([t for t in prompt if t != eot]), tokenizer.decode(new)))
         return rows

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.adamw import adamw as functional_adamw
 
 from hardware.device import fast_matmul_dtype
 from trainer.config import OptimSettings
@@ -81,7 +82,7 @@ class Muon(torch.optim.Optimizer):
 
     Muon groups: lr, momentum, nesterov, ns_steps, weight_decay; their parameters must be 2-D
     and whole (not FSDP shards: the trainer refuses muon under fsdp).
-    AdamW groups: lr, betas, eps, weight_decay; the same arithmetic as torch.optim.AdamW.
+    AdamW groups: lr, betas, eps, weight_decay; torch.optim.AdamW's own arithmetic.
     Every group also keeps `base_lr`, its peak rate, which the schedule scales (set_lr)."""
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]):
@@ -105,11 +106,10 @@ class Muon(torch.optim.Optimizer):
         rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
         by_shape: dict[torch.Size, list[nn.Parameter]] = {}
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - beta)  # buf = beta * buf + (1 - beta) * grad
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            # buf = beta * buf + (1 - beta) * grad
+            self.state[p]["momentum_buffer"].lerp_(p.grad, 1 - beta)
             by_shape.setdefault(p.shape, []).append(p)
         groups, updates, pending = list(by_shape.values()), [], []
         for i, same in enumerate(groups):
@@ -135,33 +135,24 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_add_(same, list(stack.to(same[0].dtype).unbind()), alpha=-lr * scale)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        """torch.optim.AdamW's arithmetic with one multi-tensor (foreach) kernel per operation
-        over the group, not a Python loop of kernels per parameter; parameters are bucketed by
-        their step count, which only differs if some missed a gradient."""
-        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        buckets: dict[int, list[torch.Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: no sync
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            buckets.setdefault(int(state["step"].item()), []).append(p)
-        for step, params in buckets.items():
-            grads = [p.grad for p in params]
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, math.sqrt(1 - beta2**step))  # bias corrections
-            torch._foreach_add_(denom, eps)
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / (1 - beta1**step))
+        """torch's own AdamW (torch.optim.adamw.adamw, torch.optim.AdamW's arithmetic) with one
+        multi-tensor (foreach) kernel per operation over the group, not a Python loop of kernels
+        per parameter; the state is torch.optim.AdamW's (step, exp_avg, exp_avg_sq)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: no sync
+                self.state[p]["exp_avg"] = torch.zeros_like(p)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        exp_avgs, exp_avg_sqs, steps = (
+            [self.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq", "step")
+        )
+        beta1, beta2 = group["betas"]
+        functional_adamw(
+            params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=True,
+            amsgrad=False, maximize=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            eps=group["eps"], weight_decay=group["weight_decay"],
+        )  # fmt: skip
 
 
 # ----- the optimizer and the schedule ------------------------------------------------------------
@@ -273,8 +264,8 @@ def lr_scale(
         return 1.0
     by_time = min(max(time_fraction, 0.0), 1.0)
     if settings.schedule == "cosine":
-        last = (max_steps or math.inf) - 1  # no step limit: the steps make no progress
-        span = last - settings.warmup_steps
+        # from warmup's end to the last step (no step limit: the steps make no progress)
+        span = (max_steps or math.inf) - 1 - settings.warmup_steps
         by_steps = 1.0 if span <= 0 else (step - settings.warmup_steps) / span
         progress = min(max(by_steps, by_time), 1.0)
         return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)

@@ -169,13 +169,12 @@ def estimate_memory(
         scores = B * config.n_head * T * T
         s_copy = 0 if compiled else low
         activations += config.n_layer * scores * (FLOAT32 + s_copy) + 2 * scores * FLOAT32
-    logits = B * T * config.vocab_size * (2 * act if compiled else 3 * FLOAT32)
     return MemoryEstimate(
         weights=(FLOAT32 * params) // shards + low * matmul,
         gradients=FLOAT32 * params // shards,
         optimizer=(FLOAT32 * muon + 2 * FLOAT32 * (params - muon)) // shards,
         activations=int(activations),
-        logits=logits,
+        logits=B * T * config.vocab_size * (2 * act if compiled else 3 * FLOAT32),
     )
 
 
@@ -206,9 +205,8 @@ def check_memory(
     estimate = estimate_memory(config, train.batch_size, cfg.optim.name, dtype, shards, compiled)
     budget, source = available_memory(precision.device)
     have = f"{format_bytes(budget)} {source}" if budget is not None else f"available: {source}"
-    line = f"memory: estimated peak {estimate.summary()}; {have}"
     if budget is None or estimate.total <= budget or train.skip_memory_check:
-        return estimate, line
+        return estimate, f"memory: estimated peak {estimate.summary()}; {have}"
     one = estimate_memory(config, 1, cfg.optim.name, dtype, shards, compiled)  # linear in B
     per_window = one.activations + one.logits
     state = one.total - per_window  # weights, gradients, optimizer: whatever the batch

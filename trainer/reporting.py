@@ -30,10 +30,7 @@ FORMATS = {"tok/s": "{:,.0f}", "mfu": "{:.1%}"}  # the rest: 4 significant digit
 
 def format_metrics(values: dict[str, float]) -> str:
     """`loss 4.795 tok/s 13,960 mfu 46.6%`: tokens per second in whole tokens, MFU in percent."""
-    return " ".join(
-        f"{k} {FORMATS.get(k, '{:.4g}').format(v)}" if isinstance(v, float) else f"{k} {v}"
-        for k, v in values.items()
-    )
+    return " ".join(f"{k} {FORMATS.get(k, '{:.4g}').format(v)}" for k, v in values.items())
 
 
 def format_seconds(seconds: float) -> str:
@@ -114,9 +111,8 @@ class MetricsLog:
         self._pending = StepRows(self._write)  # the current step's values, not yet written
         if not enabled:
             return
-        rows = [r for r in read_metrics(self.path) if r["step"] <= step]
         # Drop a torn line and the steps a resume will repeat.
-        text = "".join(json.dumps(r) + "\n" for r in rows)
+        text = "".join(json.dumps(r) + "\n" for r in read_metrics(self.path) if r["step"] <= step)
         if self.path.exists() and self.path.read_text(encoding="utf-8") != text:
             write_atomic(self.path, text)
 
@@ -129,9 +125,8 @@ class MetricsLog:
         return {"step": step, "tokens": step * self.tokens_per_step, **values}
 
     def _write(self, step: int, values: dict[str, Any]) -> None:
-        row = self._row(step, values)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(self._row(step, values)) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -183,8 +178,7 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
         label = dict(textcoords="offset points", xytext=(-8, 8), ha="right", bbox=box)
         bpb.annotate(f"{y[-1]:.3f}", (x[-1], y[-1]), color="tab:green", **label)
     ax.xaxis.set_major_formatter(EngFormatter())
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set(xlabel="tokens seen", ylabel="loss (nats/token)")
     bpb.set_ylabel("val bits per byte", color="tab:green")
     handles = ax.get_legend_handles_labels()[0] + bpb.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper right", fontsize="small")
@@ -194,8 +188,7 @@ def draw(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
         tasks = fig.add_subplot(2, 1, 2, sharex=ax)
         for key in accuracies:
             tasks.plot(*series(key), "o-", ms=3, label=key.replace("_acc", " acc"))
-        tasks.set_xlabel("tokens seen")
-        tasks.set_ylabel("accuracy")
+        tasks.set(xlabel="tokens seen", ylabel="accuracy")
         tasks.legend(loc="upper left", fontsize="small")
         tasks.grid(alpha=0.3)
     fig.savefig(path, format="png")
