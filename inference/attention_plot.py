@@ -20,6 +20,7 @@ from base.errors import ConfigError
 from model import GPT
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 MAX_LABEL_CHARS = 10
@@ -65,7 +66,6 @@ def plot_attention(
     return the figure. All heads share one 0-to-1 colour scale, so they can be compared."""
     from matplotlib import colormaps  # here: sample.py and serve.py start ~1 s sooner without
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
 
     n_head, T, _ = probs.shape
     future = np.triu(np.ones((T, T), dtype=bool), k=1)
@@ -81,10 +81,7 @@ def plot_attention(
         if h >= n_head:
             ax.set_axis_off()
             continue
-        # Hatching behind the transparent masked cells marks the future as "not allowed".
-        ax.add_patch(
-            Rectangle((-0.5, -0.5), T, T, fc="white", ec="0.75", hatch="////", lw=0, zorder=0)
-        )
+        _hatch(ax, T)
         image = ax.imshow(maps[h], cmap=cmap, vmin=0, vmax=1, interpolation="nearest", zorder=1)
         ax.set_title(f"head {h}", fontsize=11)
         ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=8)
@@ -100,6 +97,14 @@ def plot_attention(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150, facecolor="white")
     return fig
+
+
+def _hatch(ax: Axes, T: int) -> None:
+    """Hatching behind the transparent masked cells of a (T, T) map marks the future as "not
+    allowed"."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((-0.5, -0.5), T, T, fc="white", ec="0.75", hatch="////", lw=0, zorder=0))
 
 
 def formula_view(
@@ -201,7 +206,6 @@ def plot_formula(view: dict, labels: Sequence[str], path: str | Path) -> Figure:
     its own colour scale, tokens on the axes; the masked triangle hatched (-inf, not a small
     number), and S's above the diagonal too (exactly 0, by the mask)."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
 
     steps = view["steps"]
     names = [n for n in ("Q", "K", "Q_norm", "K_norm", "Q_rope", "K_rope") if n in steps]
@@ -215,9 +219,7 @@ def plot_formula(view: dict, labels: Sequence[str], path: str | Path) -> Figure:
         values = np.array(steps[name], dtype=float)  # None (masked) -> nan: drawn transparent
         if name in ("masked", "S"):
             values[np.triu(np.ones((T, T), dtype=bool), k=1)] = np.nan
-            ax.add_patch(
-                Rectangle((-0.5, -0.5), T, T, fc="white", ec="0.75", hatch="////", lw=0, zorder=0)
-            )
+            _hatch(ax, T)
         image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto", zorder=1)
         fig.colorbar(image, ax=ax, location="bottom", shrink=0.8)  # its range, in its units
         ax.set_title(titles.get(name, f"{name}_{view['head']}"), fontsize=10)

@@ -41,10 +41,9 @@ class RaggedKVCache(KVCache):
 
     def __init__(self, n_layer: int, batch_size: int, *shape: int, **place: Any):
         """KVCache's arguments; every row starts empty."""
-        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long)
+        self.lengths = torch.zeros(batch_size, 1, dtype=torch.long, device=place.get("device"))
         self.rows = slice(0, batch_size)  # before KVCache's `self.length = 0` sets them
         super().__init__(n_layer, batch_size, *shape, **place)
-        self.lengths = self.lengths.to(self.k.device)
 
     @property
     def length(self) -> int:
@@ -105,14 +104,14 @@ class Job:
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
-    start: int = -1  # where its window starts (generate.window_start); -1: not filled yet
+    start: int | None = None  # where its window starts (generate.window_start); None: not yet
 
 
 class Batcher:
     """Decodes Jobs in batches on a worker thread; `submit` refuses jobs past its capacity."""
 
     def __init__(self, model: GPT, eot: int, vocab_size: int, max_batch: int, max_waiting: int):
-        self.model, self.eot, self.max_batch, self.max_waiting = model, eot, max_batch, max_waiting
+        self.eot, self.max_batch, self.max_waiting = eot, max_batch, max_waiting
         self.block_size = model.config.block_size
         self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
         if model.config.attention == "flash":  # its tiles take every row to end where k does
@@ -193,12 +192,8 @@ class Batcher:
         where that raises, row by row (the same tokens: a row's draw is the one it makes alone),
         and a row that fails alone ends with its own error (token -1): no row fails another."""
         try:
-            return next_token(
-                logits,
-                [job.seq for job in jobs],
-                [job.params for job in jobs],
-                [job.generator for job in jobs],
-            )
+            contexts, params = [job.seq for job in jobs], [job.params for job in jobs]
+            return next_token(logits, contexts, params, [job.generator for job in jobs])
         except Exception:
             tokens = torch.full((len(jobs),), -1, device=logits.device)
             for row, job in enumerate(jobs):
@@ -213,12 +208,10 @@ class Batcher:
         prompt's last block_size tokens) or full (its last block_size // 2): generate.py's."""
         if job.seq is None:
             job.seq = torch.tensor([job.ids], device=self.padding.device)
-            job.start = window_start(len(job.ids), None, self.block_size)
-        else:
-            start = window_start(job.seq.size(1), job.start, self.block_size)
-            if start == job.start:
-                return
-            job.start = start
+        start = window_start(job.seq.size(1), job.start, self.block_size)  # job.start None: new
+        if start == job.start:
+            return
+        job.start = start
         self.cache.rows = slice(row, row + 1)
         self.cache.length = 0
         if job.seq.size(1) - 1 > job.start:

@@ -196,7 +196,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
 
     source = cfg["checkpoint"]
     if source is None:  # train.py's runs only: -m sweeps live under multirun/
-        source = find_checkpoint(None)
+        source = find_checkpoint()
         print(f"checkpoint: {source.absolute()} (the newest run under ./outputs)", file=err)
     ckpt = load_source(source, device)
     model = ckpt.model.to(dtype).eval()

@@ -129,9 +129,8 @@ def next_token(
             context = torch.cat(
                 [F.pad(c, (0, longest - c.size(1)), value=int(c[0, 0])) for c in context]
             )
-        logits = apply_repetition_penalty(
-            logits, context, column([p.repetition_penalty for p in each])
-        )
+        penalty = column([p.repetition_penalty for p in each])
+        logits = apply_repetition_penalty(logits, context, penalty)
     greedy = logits.argmax(dim=-1)
     if all(p.temperature == 0 for p in each):
         return greedy
@@ -141,22 +140,20 @@ def next_token(
         if any(on):
             filtered = keep(logits, column([getattr(p, name) or 0 for p in each]))
             logits = filtered if all(on) else torch.where(column(on), filtered, logits)
-    probs = F.softmax(logits, dim=-1)
     # Inverse-CDF sampling: one uniform u per row, and the first token whose cumulative
     # probability exceeds u * total is token i with probability p_i, the distribution of
     # torch.multinomial(probs, 1). One random number instead of one per vocabulary entry: over
     # 50k entries, a fraction of multinomial's time (docs/performance.md, Sampling). The sum is
     # in float64 so that no entry's share is rounded.
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
+    cdf = F.softmax(logits, dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
     if isinstance(generator, list):  # each row's uniform from its own generator
         u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64) for g in generator])
     else:
         u = torch.rand(rows, 1, generator=generator, dtype=torch.float64)
-    u = u * total
     # u * total may round up to the total, past every entry: keep u below it, where the first
     # entry above u is still one that adds probability
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # c[i-1] <= u < c[i]: p_i > 0
     sampled = (total > 0) & column([p.temperature > 0 for p in each])  # NaN > 0 is False
     return torch.where(sampled.squeeze(-1), drawn, greedy)

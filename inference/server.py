@@ -67,7 +67,7 @@ class ApiError(Exception):
     """A request the server refuses (4xx) or failed (5xx): its status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, **headers: str):
-        self.status, self.param, self.headers = status, param, headers
+        self.status, self.headers = status, headers
         kind = "server_error" if status >= 500 else "invalid_request_error"
         self.body = error_body(message, param, kind)
 
@@ -269,8 +269,7 @@ class Server:
         if chars > self.max_prompt_chars:
             raise ApiError(400, f"{param} is {chars} characters, over {most} tokens", param)
         if chat:
-            messages = [m.model_dump() for m in prompt]
-            ids = generation_prompt(messages, self.tokenizer)
+            ids = generation_prompt([m.model_dump() for m in prompt], self.tokenizer)
         else:
             ids = self.tokenizer.encode_ordinary(prompt) or [self.tokenizer.eot_token]
         if len(ids) > most:
@@ -322,10 +321,8 @@ class Server:
                 piece = self.tokenizer.decode_single_token_bytes(i)
                 return dict(token=text([i]), logprob=logprob, bytes=list(piece))
 
-            top_entries = [entry(i, v) for i, v in pairs]
-            return {
-                "content": [{**entry(token, float(logprobs[token])), "top_logprobs": top_entries}]
-            }
+            chosen = entry(token, float(logprobs[token]))
+            return {"content": [{**chosen, "top_logprobs": [entry(i, v) for i, v in pairs]}]}
         return {
             "tokens": [text([token])],
             "token_logprobs": [float(logprobs[token])],
@@ -367,9 +364,8 @@ class Server:
             top = (req.top_logprobs or 0) if req.logprobs else None
 
         def emit(job: Job, text: str, token: int, reason: str | None, logits: torch.Tensor):
-            logprobs = None
-            if top is not None and logits is not None:
-                logprobs = self.logprobs(token, logits, top, chat)
+            wanted = top is not None and logits is not None  # logits None: decoding failed
+            logprobs = self.logprobs(token, logits, top, chat) if wanted else None
             choice = dict(text=text, index=jobs.index(job), logprobs=logprobs, finish_reason=reason)
             loop.call_soon_threadsafe(events.put_nowait, choice)
 
@@ -379,8 +375,7 @@ class Server:
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         kind = "chat.completion" if chat else "text_completion"
         head = dict(id=completion_id, object=kind, created=int(time.time()), model=self.name)
-        echo = not chat and req.echo
-        echoed = [prompts[i // req.n] if echo else "" for i in range(len(jobs))]
+        echoed = [prompts[i // req.n] for i in range(len(jobs))] if not chat and req.echo else []
 
         async def choices() -> AsyncIterator[dict]:
             """Every choice's pieces as they come, until all are finished or the client hangs
@@ -416,30 +411,26 @@ class Server:
             return StreamingResponse(stream(), media_type="text/event-stream")
         watcher = asyncio.ensure_future(_hang_up(request))
         watcher.add_done_callback(lambda _: events.put_nowait(None))  # ends the wait below
-        try:
-            pieces = [choice async for choice in choices()]
-        finally:
-            watcher.cancel()
-            cancel(jobs)
         merged = [
             dict(text="", index=i, logprobs=None, finish_reason=None) for i in range(len(jobs))
         ]
-        for piece in pieces:
-            choice = merged[piece["index"]]
-            choice["text"] += piece["text"]
-            choice["finish_reason"] = piece["finish_reason"]
-            if piece["logprobs"]:
-                for key, value in piece["logprobs"].items():
+        try:
+            async for piece in choices():
+                choice = merged[piece["index"]]
+                choice["text"] += piece["text"]
+                choice["finish_reason"] = piece["finish_reason"]
+                for key, value in (piece["logprobs"] or {}).items():
                     choice["logprobs"] = choice["logprobs"] or {}
                     choice["logprobs"].setdefault(key, []).extend(value)
+        finally:
+            watcher.cancel()
+            cancel(jobs)
         if chat:
             for choice in merged:
                 choice["message"] = dict(role="assistant", content=choice.pop("text"))
-        generated = sum(len(job.tokens) for job in jobs)
-        prompt = sum(len(job.ids) for job in jobs[:: req.n])
-        usage = dict(
-            prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
-        )
+        usage = dict(prompt_tokens=sum(len(job.ids) for job in jobs[:: req.n]))
+        usage["completion_tokens"] = sum(len(job.tokens) for job in jobs)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {**head, "choices": merged, "usage": usage}
 
     async def view(self, request: Request, kind: type[Strict], show: Callable) -> dict:
@@ -539,10 +530,8 @@ class Server:
             if not ok:
                 raise ApiError(400, f"{param} must be {rule}", param)
         edited = [*ids[:j], new[0], *ids[j + 1 :]]
-        device = self.model.lm_head.weight.device
-        p, q = (
-            self.model(torch.tensor([x], device=device))[0][0].softmax(-1) for x in (ids, edited)
-        )
+        both = torch.tensor([ids, edited], device=self.model.lm_head.weight.device)
+        p, q = (self.model(x[None])[0][0].softmax(-1) for x in both)  # each alone, as a batch of 1
         diffs = (p - q).abs().amax(-1).tolist()  # (T,)
         return {
             "ids": edited,
@@ -643,17 +632,17 @@ def create_app(server: Server) -> FastAPI:
     api.post("/v1/chat/completions")(server.chat_completions)
     api.get("/api/info")(server.info)
 
-    @api.post("/api/attention")
-    async def attention(request: Request) -> dict:
-        return await server.view(request, AttentionRequest, server.attention)
+    def viewer(kind: type[Strict], show: Callable) -> Callable:
+        """The route of the page view `show`, whose body is a `kind`."""
 
-    @api.post("/api/formula")
-    async def formula(request: Request) -> dict:
-        return await server.view(request, FormulaRequest, server.formula)
+        async def view(request: Request) -> dict:
+            return await server.view(request, kind, show)
 
-    @api.post("/api/causality")
-    async def causality(request: Request) -> dict:
-        return await server.view(request, CausalityRequest, server.causality)
+        return view
+
+    api.post("/api/attention")(viewer(AttentionRequest, server.attention))
+    api.post("/api/formula")(viewer(FormulaRequest, server.formula))
+    api.post("/api/causality")(viewer(CausalityRequest, server.causality))
 
     app.include_router(api)
     return app
@@ -702,7 +691,7 @@ def main(cfg: Mapping[str, Any]) -> int:
                 f"cannot listen on {host}:{port}: {why}; choose another port= "
                 "(port=0: any free one) or host="
             ) from None
-        source = cfg["checkpoint"] or find_checkpoint(None)  # null: the newest run
+        source = cfg["checkpoint"] or find_checkpoint()  # null: the newest run
         ckpt = load_source(source, device, attention="manual")  # the mask explicit: see causality
         model = ckpt.model.to(dtype).eval()
         block = model.config.block_size
