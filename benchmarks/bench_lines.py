@@ -179,7 +179,7 @@ FEATURES = {
     ],
     "chat: template, conversation data, chat in sample.py and serve.py": [
         ("data/chat.py", None),
-        ("data/sources.py", ["load_chat_plays", "CHAT_BUILDERS", "check_json_lines"]),
+        ("data/sources.py", ["load_chat_plays", "check_json_lines"]),
         ("data/sources.py", ["load_chat_files", "_column"]),
         ("data/pipeline.py", ["data_tokenizer", "_skipped"]),
         ("data/pipeline.py", ["encode_conversations"]),

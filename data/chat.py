@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 import tiktoken
@@ -62,10 +63,8 @@ def render(
         head = f"{message['role']}\n"
         body = tokenizer.encode_ordinary(head + message["content"])
         reply = message["role"] == "assistant"
-        ends, seen = [], 0  # each token's end, in bytes: those past the head hold content
-        for piece in tokenizer.decode_tokens_bytes(body):
-            seen += len(piece)
-            ends.append(seen)
+        # each token's end, in bytes: those past the head hold content
+        ends = accumulate(map(len, tokenizer.decode_tokens_bytes(body)))
         head_bytes = len(head.encode("utf-8"))
         ids += [start, *body, end, *newline]
         mask += [False, *(reply and e > head_bytes for e in ends), reply, *[False] * len(newline)]

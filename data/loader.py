@@ -150,9 +150,8 @@ def iter_eval_batches(
     (the same every call), for cheap periodic evals; a split shorter than one window is its own
     subset.
     """
-    n_full = (len(tokens) - 1) // block_size
+    n_full, tail = divmod(len(tokens) - 1, block_size)
     starts = np.arange(n_full) * block_size
-    tail = len(tokens) - 1 - n_full * block_size
     if max_windows is not None and n_full:
         wanted = min(n_full, max_windows * world_size)
         starts = starts[np.linspace(0, n_full - 1, wanted).round().astype(np.int64)]

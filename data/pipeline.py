@@ -376,11 +376,10 @@ def _train_tokenizer(
 ) -> dict[str, Any]:
     """Train data.tokenizer=bpe-<N> on the train split alone, into out/tokenizer.json; returns
     what meta.json records of it."""
-    chat = cfg.get("chat")
     batches = train.iter(batch_size=MAP_BATCH_SIZE)
     texts = (
         (m["content"] for b in batches for c in b["messages"] for m in c if not problem(c))
-        if chat
+        if cfg.get("chat")
         else (t for b in batches for t in b["text"])
     )
     bpe, stats = train_bpe(texts, vocab_size)
@@ -400,10 +399,8 @@ def _train_tokenizer(
 
 
 def _skipped(stats: dict[str, Any]) -> str:
-    """How many conversations a split skipped, and why: '' when none."""
-    reasons = stats.get("skipped") or {}
-    if not reasons:
-        return ""
+    """How many conversations a split skipped, and why (called when it skipped some)."""
+    reasons = stats["skipped"]
     n = sum(reasons.values())
     why = ", ".join(f"{count:,} with {reason}" for reason, count in sorted(reasons.items()))
     return f"{n:,} conversation{'s' * (n != 1)} skipped: {why}"
@@ -425,8 +422,7 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     tokenizer = cfg.setdefault("tokenizer", "gpt2")
     source_fp = get_source(cfg).identity(cfg)
     if cfg.get("chat"):  # text data keeps the fingerprint it always had
-        chat_keys = {"chat": cfg["chat"], "messages_field": cfg.get("messages_field")}
-        source_fp |= {**chat_keys, "seed": cfg.get("seed")}
+        source_fp |= {key: cfg.get(key) for key in ("chat", "messages_field", "seed")}
     fp = fingerprint(cache_key(tokenizer), source_fp)
     name, start = cfg["name"], time.perf_counter()
     out = cache_root(cfg) / name / f"{tokenizer}-{fp[:12]}"

@@ -20,7 +20,7 @@ import hashlib
 import importlib.util
 import json
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -94,29 +94,27 @@ def shakespeare_identity(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"plays": plays, "val_plays": list(VAL_PLAYS)}
 
 
-def load_shakespeare(cfg: dict[str, Any]) -> dict[str, Dataset]:
-    """One document per play, split by whole plays."""
+def split_by_play(rows: Callable[[str, str], Iterable[dict[str, Any]]]) -> dict[str, Dataset]:
+    """The rows ``rows(name, text)`` makes of every play, split by whole plays."""
     from datasets import Dataset
 
-    splits = {"train": {"title": [], "text": []}, "val": {"title": [], "text": []}}
+    splits: dict[str, list] = {"train": [], "val": []}
     for name, path in play_files().items():
         split = splits["val" if name in VAL_PLAYS else "train"]
-        split["title"].append(name)
-        split["text"].append(path.read_text(encoding="utf-8"))
-    return {split: Dataset.from_dict(columns) for split, columns in splits.items()}
+        split.extend(rows(name, path.read_text(encoding="utf-8")))
+    return {split: Dataset.from_list(rows) for split, rows in splits.items()}
+
+
+def load_shakespeare(cfg: dict[str, Any]) -> dict[str, Dataset]:
+    """One document per play, split by whole plays."""
+    return split_by_play(lambda name, text: [{"title": name, "text": text}])
 
 
 def load_chat_plays(cfg: dict[str, Any]) -> dict[str, Dataset]:
     """The plays' conversations (data/chat.py), split by whole plays as ``shakespeare`` is."""
-    from datasets import Dataset
-
     from data.chat import play_conversations
 
-    splits: dict[str, list] = {"train": [], "val": []}
-    for name, path in play_files().items():
-        conversations = play_conversations(path.read_text(encoding="utf-8"))
-        splits["val" if name in VAL_PLAYS else "train"].extend(conversations)
-    return {split: Dataset.from_dict({"messages": rows}) for split, rows in splits.items()}
+    return split_by_play(lambda _, text: ({"messages": c} for c in play_conversations(text)))
 
 
 # ----- text: the user's own files, one document per file -----------------------------------------
@@ -215,7 +213,8 @@ def load_text(cfg: dict[str, Any]) -> dict[str, Dataset]:
     return {"train": Dataset.from_dict({"text": train}), "val": Dataset.from_dict({"text": val})}
 
 
-CHAT_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# datasets' builder for a local file of conversations (or of a task's items), by its suffix
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def check_json_lines(path: Path, field: str) -> None:
@@ -260,11 +259,11 @@ def load_chat_files(cfg: dict[str, Any]) -> dict[str, Dataset]:
     when given, else a seeded ``val_fraction`` of the conversations."""
     field, splits = cfg.get("messages_field", "messages"), {}
     for split, paths in _file_lists(cfg).items():
-        builders = {CHAT_BUILDERS.get(path.suffix) for path in paths}
+        builders = {FILE_BUILDERS.get(path.suffix) for path in paths}
         if None in builders or len(builders) > 1:
             raise DataError(
                 f"data.{split}_files: {', '.join(map(str, paths))}: conversations are files of "
-                f"one format: {', '.join(CHAT_BUILDERS)}"
+                f"one format: {', '.join(FILE_BUILDERS)}"
             )
         for path in paths:
             if path.suffix == ".jsonl":

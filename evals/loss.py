@@ -170,8 +170,7 @@ def evaluate(
     variance = (loss_sq_sum - loss_sum**2 / n) / (n - 1) if n > 1 else float("nan")
     targets = len(tokens) - 1 if mask is None else int(mask[1:].sum())  # what nbytes spans
     bpb = bits_per_byte(mean, scored, scored * nbytes / targets)
-    stderr = math.sqrt(max(variance, 0.0) / n)
-    return EvalResult(loss=mean, bpb=bpb, tokens=int(scored), stderr=stderr)
+    return EvalResult(mean, bpb, tokens=int(scored), stderr=math.sqrt(max(variance, 0.0) / n))
 
 
 def text_file_tokens(path: str, tokenizer: tiktoken.Encoding) -> tuple[np.ndarray, int, str]:
@@ -196,7 +195,7 @@ def evaluate_checkpoint(
         raise ConfigError("give dataset=<name> or data=<name> (with its data.* keys), not both")
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
-    source = find_checkpoint(None) if cfg["checkpoint"] is None else cfg["checkpoint"]
+    source = find_checkpoint() if cfg["checkpoint"] is None else cfg["checkpoint"]
     ckpt = load_source(source, device)
     if why := unavailable_attention(device).get(ckpt.model.config.attention):  # triton, no GPU
         say(f"{why.split(';')[0]}; scoring through model.attention=sdpa, the same function")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import yaml
 
 from base.errors import CONFIG_DIR, ConfigError, DataError, positive_int
-from data.sources import load_dataset
+from data.sources import FILE_BUILDERS, load_dataset
 from evals.loss import Progress
 from hardware.device import Precision
 from hardware.distributed import all_reduce_sum, in_lockstep
@@ -101,9 +101,7 @@ def encode_pair(
     cont = " " + choice
     if context == "":
         return [tokenizer.eot_token], tokenizer.encode_ordinary(cont)
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, cont = context[:-spaces], context[-spaces:] + cont
+    context, cont = context.rstrip(), context[len(context.rstrip()) :] + cont
     ctx = tokenizer.encode_ordinary(context)
     return ctx, tokenizer.encode_ordinary(context + cont)[len(ctx) :]
 
@@ -126,7 +124,7 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
     fields, build = FORMATS[fmt]
     path, subset, split, files = cfg["path"], cfg.get("subset"), cfg["split"], cfg.get("data_files")
     if files:  # a local file: its format's builder, no subset
-        path = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(Path(files).suffix)
+        path = FILE_BUILDERS.get(Path(files).suffix)
         if path is None:
             raise DataError(
                 f"task {name}: task.data_files={files} is not a .jsonl, .json or .parquet file"
