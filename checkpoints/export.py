@@ -74,7 +74,7 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
             "pass overwrite=true to replace it"
         )
     source = cfg.get("checkpoint")
-    ckpt = load_source(find_checkpoint(None) if source is None else source)
+    ckpt = load_source(find_checkpoint() if source is None else source)
     if as_gguf:  # everything checked, and the file built in memory, before anything is written
         _architecture(ckpt.model.config, LLAMA_CPP)
         writer = gguf_writer(hf_files(ckpt), ckpt.tokenizer(), dtype)

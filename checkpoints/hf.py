@@ -172,13 +172,11 @@ def load_hf_gpt2(
     if isinstance(source, dict):
         sd = source
     else:
-        path = Path(source)
-        files = (
-            [path / n for n in WEIGHT_FILES if (path / n).is_file()] if path.is_dir() else [path]
-        )
-        if not files:
+        file = path = Path(source)
+        if path.is_dir():  # its first of WEIGHT_FILES
+            file = next((path / n for n in WEIGHT_FILES if (path / n).is_file()), None)
+        if file is None:
             raise CheckpointError(f"{path} holds neither {' nor '.join(WEIGHT_FILES)}")
-        file = files[0]
         config_file = file.parent / "config.json"
         if config_file.is_file():
             claims, where = read_hf_config(config_file), str(config_file)
@@ -197,12 +195,11 @@ def load_hf_gpt2(
         sd = load_file(str(file))
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     if vocab_size is not None and vocab_size != config.vocab_size:
-        # rows cropped, or padded with zeros: padded tokens are never drawn nor targets
-        for key in ("wte.weight", "lm_head.weight"):
-            if key in sd:
-                rows = sd[key][:vocab_size]
-                sd[key] = F.pad(rows, (0, 0, 0, vocab_size - len(rows)))
-        config = dataclasses.replace(config, vocab_size=vocab_size)
+        config = dataclasses.replace(config, vocab_size=vocab_size)  # checked: a positive int
+        # rows padded with zeros (padded tokens are never drawn nor targets), or cropped (a
+        # negative padding)
+        for key in sd.keys() & {"wte.weight", "lm_head.weight"}:
+            sd[key] = F.pad(sd[key], (0, 0, 0, vocab_size - len(sd[key])))
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
         config = dataclasses.replace(config, tie_embeddings=False)
     model = GPT(config)

@@ -416,12 +416,9 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     )
 
 
-def find_checkpoint(path: str | Path | None, prefer: str = "best") -> Path:
-    """What the `checkpoint=` key of sample.py and evaluate.py means: a checkpoint, run or
-    `checkpoints/` directory (see resolve_checkpoint), or null for the newest run's checkpoint
-    in ./outputs (Hydra's default output tree)."""
-    if path is not None:
-        return resolve_checkpoint(path, prefer)
+def find_checkpoint() -> Path:
+    """What a null `checkpoint=` of sample.py, evaluate.py, serve.py and export.py means: the
+    newest run's checkpoint in ./outputs (Hydra's default output tree)."""
     manifests = Path("outputs").glob(f"**/checkpoints/[!.]*/{MANIFEST_FILE}")  # not temporaries
     newest = max(manifests, key=lambda p: p.stat().st_mtime, default=None)
     if newest is None:
@@ -429,7 +426,7 @@ def find_checkpoint(path: str | Path | None, prefer: str = "best") -> Path:
             f"no checkpoint found under {Path('outputs').resolve()}: train one with "
             "`python train.py`, or pass checkpoint=<run dir>"
         )
-    return resolve_checkpoint(newest.parents[2], prefer)
+    return resolve_checkpoint(newest.parents[2])
 
 
 STEP_PREFIX = "step-"  # step checkpoints: checkpoints/step-<step>/ (train.keep_checkpoints)
@@ -516,18 +513,15 @@ def load_source(
 ) -> Checkpoint:
     """Load any model source (see the comment above) on `device`; overrides: run-time
     GPTConfig fields (dropout, attention)."""
-    name = str(source)
-    if name in GPT2_NAMES and not Path(name).exists():
+    name, path = str(source), Path(source).expanduser()
+    hub = name in GPT2_NAMES and not Path(name).exists()
+    if hub or is_hf_dir(path):
         from checkpoints.hf import download_gpt2, load_hf_dir
 
-        ckpt = load_hf_dir(download_gpt2(name), device, **overrides)
-        ckpt.meta["source"] = name
+        ckpt = load_hf_dir(download_gpt2(name) if hub else path, device, **overrides)
+        if hub:  # the name, not the hub cache's directory
+            ckpt.meta["source"] = name
         return ckpt
-    path = Path(name).expanduser()
-    if is_hf_dir(path):
-        from checkpoints.hf import load_hf_dir
-
-        return load_hf_dir(path, device, **overrides)
     try:
         path = resolve_checkpoint(path)
     except CheckpointError as e:

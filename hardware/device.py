@@ -222,8 +222,8 @@ def measured_cpu_matmul_flops() -> float:
 
     def measure() -> float:
         n = 1024
-        generator = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout) untouched
-        a, b = torch.randn(2, n, n, generator=generator)
+        # its own generator leaves the global RNG (dropout) untouched
+        a, b = torch.randn(2, n, n, generator=torch.Generator().manual_seed(0))
         return 2 * n**3 / fastest(lambda: a @ b, 5)
 
     return measured_once(f"{torch.float32} matmul FLOP/s", measure, keep_highest=True)

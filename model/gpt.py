@@ -366,13 +366,12 @@ class GPT(nn.Module):
         logits = self.logits(self.hidden_states(idx, cache))  # (B, T, vocab)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(
+        return None, F.cross_entropy(
             logits.view(-1, logits.size(-1)).float(),
             targets.reshape(-1),
             ignore_index=-1,
             reduction=loss_reduction,
         )
-        return None, loss
 
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The head's input, (B, T, C): the blocks over the embedded tokens, then the final norm.
@@ -410,13 +409,10 @@ class GPT(nn.Module):
         without dropout: (n_layer, B, nh, T, T)."""
         probs = []
         record = lambda attn, args, out: probs.append(attn.probs(args[0], args[2]))  # noqa: E731
-        hooks = [block.attn.register_forward_hook(record) for block in self.transformer.h]
-        try:
-            with eval_mode(self):
-                self.hidden_states(idx)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        with contextlib.ExitStack() as hooks, eval_mode(self):  # the hooks removed on any exit
+            for block in self.transformer.h:
+                hooks.enter_context(block.attn.register_forward_hook(record))
+            self.hidden_states(idx)
         return torch.stack(probs)
 
     @torch.no_grad()
@@ -437,12 +433,8 @@ class GPT(nn.Module):
             heads = y.transpose(1, 2).reshape(x.shape)  # concatenated: (1, T, C)
             steps.update(X=x, Y=y, heads=heads, out=attn.c_proj(heads), forward=forward)
 
-        hook = self.transformer.h[layer].attn.register_forward_hook(record)
-        try:
-            with eval_mode(self):
-                self.hidden_states(idx)
-        finally:
-            hook.remove()
+        with self.transformer.h[layer].attn.register_forward_hook(record), eval_mode(self):
+            self.hidden_states(idx)  # the hook is removed on any exit
         return {name: step[0] for name, step in steps.items()}  # idx's one row
 
     def new_kv_cache(

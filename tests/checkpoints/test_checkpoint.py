@@ -136,12 +136,12 @@ def test_crash_between_the_two_renames_is_recovered(tmp_path):
 def test_no_checkpoint_means_the_newest_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="python train.py"):
-        find_checkpoint(None)
+        find_checkpoint()
     save(tmp_path / "outputs" / "a" / "checkpoints" / "best", step=1)
     newer = Path("outputs") / "b" / "checkpoints" / "best"
     save(newer, step=2)
     os.utime(newer / "manifest.json", (2e9, 2e9))
-    assert find_checkpoint(None) == newer
+    assert find_checkpoint() == newer
 
 
 @pytest.mark.parametrize(
