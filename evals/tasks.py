@@ -101,8 +101,7 @@ def encode_pair(
     cont = " " + choice
     if context == "":
         return [tokenizer.eot_token], tokenizer.encode_ordinary(cont)
-    context, cont = context.rstrip(), context[len(context.rstrip()) :] + cont
-    ctx = tokenizer.encode_ordinary(context)
+    ctx = tokenizer.encode_ordinary(context.rstrip())  # its trailing spaces: the choice's
     return ctx, tokenizer.encode_ordinary(context + cont)[len(ctx) :]
 
 
