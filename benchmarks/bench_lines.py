@@ -23,7 +23,7 @@ TARGET = 4300
 # feature: [(module, the names in it that are the feature, or None for the whole module)]
 FEATURES = {
     "the formula step by step: formula_steps, /api/formula, sample.py formula=, the page": [
-        ("model/gpt.py", ["GPT.formula_steps"]),
+        ("model/inspection.py", ["formula_steps"]),
         ("inference/attention_plot.py", ["formula_view", "_rounded", "row_lines"]),
         ("inference/attention_plot.py", ["plot_formula"]),
         ("inference/server.py", ["FormulaRequest", "Server.formula"]),
@@ -35,8 +35,7 @@ FEATURES = {
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
         ("inference/cli.py", ["write_attention_plot"]),  # sample.py attention_plot=
-        ("model/gpt.py", ["GPT.attention_probs"]),  # the page's and the plot's S
-        ("model/gpt.py", ["CausalSelfAttention.probs"]),
+        ("model/inspection.py", ["layer_inputs", "probs", "attention_probs"]),  # S of the views
     ],
     "export to transformers and GGUF": [
         ("export.py", None),

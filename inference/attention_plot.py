@@ -18,6 +18,7 @@ import torch
 
 from base.errors import ConfigError
 from model import GPT
+from model.inspection import attention_probs, formula_steps
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -37,7 +38,7 @@ def prompt_attention(model: GPT, idx: torch.Tensor, layer: int | None = None) ->
             f"attention_layer={layer!r} is out of range: the model has {n_layer} layers "
             f"(0 to {n_layer - 1}, or negative to count from the end)"
         )
-    return model.attention_probs(idx[:1])[layer, 0].float().cpu()
+    return attention_probs(model, idx[:1])[layer, 0].float().cpu()
 
 
 def token_labels(tokenizer: tiktoken.Encoding, ids: Sequence[int]) -> list[str]:
@@ -111,7 +112,8 @@ def formula_view(
     model: GPT, idx: torch.Tensor, layer: int, head: int, row: int | None = None
 ) -> dict:
     """One layer and head of the attention formula for idx (1, T), as plain numbers for the page,
-    the API and sample.py formula=true, from `GPT.formula_steps` (the model's own lines):
+    the API and sample.py formula=true, from model/inspection.py's `formula_steps` (the model's
+    own lines):
 
     - steps: the head's matrices in the order the formula reads (Q, K, V, each option's Q and
       K, QK, scaled, masked with None where -inf, S, Y), and the layer's X, concatenated heads
@@ -132,7 +134,7 @@ def formula_view(
     i = T - 1 if row is None else row
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < T:
         raise ConfigError(f"row={row!r} is out of range: the text has {T} tokens (0 to {T - 1})")
-    steps = {k: v.double().cpu() for k, v in model.formula_steps(idx, layer).items()}
+    steps = {k: v.double().cpu() for k, v in formula_steps(model, idx, layer).items()}
     w_o = model.transformer.h[layer].attn.c_proj.weight.double().cpu()  # (C, C)
     hs = c.head_size
     shares = [

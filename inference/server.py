@@ -24,6 +24,7 @@ body_timeout_s for its body, and past max_connections open a request gets a 503.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -56,6 +57,7 @@ from inference.attention_plot import formula_view, token_labels
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
 from model import GPT
+from model.inspection import attention_probs
 
 PAGE = Path(__file__).with_name("page.html")
 KEY_VARIABLE = "CAUSALGPT_API_KEY"
@@ -186,6 +188,12 @@ class Server:
         longest = max(map(len, map(tokenizer.decode_single_token_bytes, range(tokenizer.n_vocab))))
         self.max_prompt_chars = limits["max_prompt_tokens"] * longest
         self.views = ThreadPoolExecutor(1)  # the page's views, one at a time: each uses all cores
+        # The views' model: float32 whatever the decoding dtype, so that the numbers the page
+        # teaches add up to the digits shown; a copy where the decoding dtype is another. Views
+        # register nothing on a model (model/inspection.py): one they share with the batcher
+        # (float32 on a GPU) sees none of their work, nor they the batcher's.
+        float32 = model.lm_head.weight.dtype == torch.float32
+        self.viewed = model if float32 else copy.deepcopy(model).float()  # 4 bytes a weight
         self.viewing = 0  # page views running or waiting
         self.page = PAGE.read_text(encoding="utf-8")
         chat = IM_END in tokenizer.special_tokens_set  # a chat fine-tuned model: its turns
@@ -457,7 +465,7 @@ class Server:
         conversation's last page_tokens (its newest reply), with where each turn starts."""
         page = self.view_tokens(req)
         idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
-        probs = self.model.attention_probs(idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
+        probs = attention_probs(self.viewed, idx)[:, 0].double().cpu()  # (n_layer, nh, T, T)
         heads = probs.mul(1e6).round().div(1e6).tolist()  # 6 decimals: 3 MB at 8 x 4 x 64²
         return {**page, "heads": heads}
 
@@ -480,7 +488,7 @@ class Server:
             page = self.labelled(req.ids)
         idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
         try:
-            view = formula_view(self.model, idx, req.layer, req.head, req.row)
+            view = formula_view(self.viewed, idx, req.layer, req.head, req.row)
         except ConfigError as e:  # "<field>=<value> is out of range: ..."
             raise ApiError(400, str(e), str(e).split("=")[0]) from None
         return {**page, **view}
@@ -531,7 +539,7 @@ class Server:
                 raise ApiError(400, f"{param} must be {rule}", param)
         edited = [*ids[:j], new[0], *ids[j + 1 :]]
         both = torch.tensor([ids, edited], device=self.model.lm_head.weight.device)
-        p, q = (self.model(x[None])[0][0].softmax(-1) for x in both)  # each alone, as a batch of 1
+        p, q = (self.viewed(x[None])[0][0].softmax(-1) for x in both)  # each alone, as a batch of 1
         diffs = (p - q).abs().amax(-1).tolist()  # (T,)
         return {
             "ids": edited,
@@ -546,6 +554,7 @@ class Server:
         c = self.model.config
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
+        shape["views_dtype"] = "float32"  # the page's views compute in float32 (Server.viewed)
         counts = {**self.batcher.counts(), "views": self.viewing}
         chat = self.end is not None
         return {"model": self.name, **shape, "chat": chat, "limits": self.limits, **counts}

@@ -68,7 +68,7 @@ def causal_attention(
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
     attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
     lengths (inference/batching.py's RaggedKVCache). Dropout applies to S before it weighs V.
-    `steps`, when given, receives each intermediate (GPT.formula_steps shows them).
+    `steps`, when given, receives each intermediate (model/inspection.py shows them).
     """
     qk = q @ k.transpose(-2, -1)  # (B, nh, Tq, Tk): q_i . k_j for every query i and key j
     scaled = qk / math.sqrt(k.size(-1))  # variance ~1 whatever d_k: softmax does not saturate
@@ -178,7 +178,7 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, rope: Rope | None = None, steps: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs). `steps`, when given,
-        receives them as made and after each option (GPT.formula_steps)."""
+        receives them as made and after each option (model/inspection.py)."""
         B, T, C = x.shape
         steps = {} if steps is None else steps
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
@@ -193,14 +193,6 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
             steps.update(Q_rope=q, K_rope=k)
         return q, k, v
-
-    def probs(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
-        """The attention probabilities S of x (B, T, C) from the formula, whatever the
-        implementation (flash never forms S): (B, nh, T, T)."""
-        T = x.size(1)
-        q, k, v = self.heads(x, rope)
-        _, probs = causal_attention(q, k, v, self.causal_mask[:T, :T])
-        return probs
 
 
 # ----- rotary position embeddings ----------------------------------------------------------------
@@ -383,17 +375,22 @@ class GPT(nn.Module):
                 "crop it to the last block_size tokens"
             )
         pos = torch.arange(T, device=idx.device) if cache is None else cache.positions(T)
-        x, rope = self.transformer.wte(idx), None  # (B, T, C)
-        if self.config.pos_embedding == "rope":  # positions enter through every layer's q and k
-            rope = rope_tables(pos, self.config.head_size, self.config.rope_base)  # (cos, sin)
-        else:
-            x = x + self.transformer.wpe(pos)  # (B, T, C)
-        x = self.transformer.drop(x)
+        x, rope = self.embed(idx, pos)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, cache, rope)
         if cache is not None:
             cache.advance(T)
         return self.transformer.ln_f(x)
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope | None]:
+        """The first block's input x (B, T, C) for tokens idx (B, T) at positions pos (T,), or
+        (B, T) for rows of their own, and the rope tables of those positions (rope only)."""
+        x, rope = self.transformer.wte(idx), None  # (B, T, C)
+        if self.config.pos_embedding == "rope":  # positions enter through every layer's q and k
+            rope = rope_tables(pos, self.config.head_size, self.config.rope_base)  # (cos, sin)
+        else:
+            x = x + self.transformer.wpe(pos)  # (B, T, C)
+        return self.transformer.drop(x), rope
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (..., vocab) of final hidden states x (..., C)."""
@@ -401,41 +398,6 @@ class GPT(nn.Module):
         if (cap := self.config.logit_softcap) is not None:
             logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
         return logits
-
-    @torch.no_grad()
-    def attention_probs(self, idx: torch.Tensor) -> torch.Tensor:
-        """The attention probabilities S of every layer and head for idx (B, T), computed with
-        the formula (whatever `attention` is) from each layer's own input during one forward,
-        without dropout: (n_layer, B, nh, T, T)."""
-        probs = []
-        record = lambda attn, args, out: probs.append(attn.probs(args[0], args[2]))  # noqa: E731
-        with contextlib.ExitStack() as hooks, eval_mode(self):  # the hooks removed on any exit
-            for block in self.transformer.h:
-                hooks.enter_context(block.attn.register_forward_hook(record))
-            self.hidden_states(idx)
-        return torch.stack(probs)
-
-    @torch.no_grad()
-    def formula_steps(self, idx: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
-        """Every step of layer `layer`'s attention for idx (1, T), computed by the formula's own
-        lines (`heads`, `causal_attention`) from the layer's input in one forward pass, without
-        dropout, whatever implementation the model runs. Per head, (nh, T, hs) or (nh, T, T):
-        Q, K, V as made; Q_norm, K_norm with qk_norm; Q_rope, K_rope with rope; QK (Q K^T),
-        scaled (/ sqrt(d_k)), masked (-inf above the diagonal), S (softmax), Y (S V). For the
-        layer, (T, C): X, the normed input; heads, every Y concatenated; out, through W_O; and
-        forward, the attention's output in the forward pass itself, which `out` equals."""
-        steps: dict[str, torch.Tensor] = {}
-
-        def record(attn: CausalSelfAttention, args: tuple, forward: torch.Tensor) -> None:
-            x, _, rope = args  # Block's call: (normed x, cache, rope)
-            q, k, v = attn.heads(x, rope, steps)
-            y, _ = causal_attention(q, k, v, attn.causal_mask[: x.size(1), : x.size(1)], 0, steps)
-            heads = y.transpose(1, 2).reshape(x.shape)  # concatenated: (1, T, C)
-            steps.update(X=x, Y=y, heads=heads, out=attn.c_proj(heads), forward=forward)
-
-        with self.transformer.h[layer].attn.register_forward_hook(record), eval_mode(self):
-            self.hidden_states(idx)  # the hook is removed on any exit
-        return {name: step[0] for name, step in steps.items()}  # idx's one row
 
     def new_kv_cache(
         self, batch_size: int, max_len: int | None = None, kind: type[KVCache] | None = None

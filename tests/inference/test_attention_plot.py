@@ -17,6 +17,7 @@ from inference.attention_plot import (
     token_labels,
 )
 from model import GPT
+from model.inspection import attention_probs, formula_steps
 from tests.conftest import tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,7 +33,7 @@ def test_the_plotted_probabilities_are_causal_rows_summing_to_one(model):
     idx = torch.randint(0, 101, (2, 9))
     probs = prompt_attention(model, idx)
     # last layer, first row (batch size changes the float summation order, hence close not equal)
-    torch.testing.assert_close(probs, model.attention_probs(idx)[-1, 0])
+    torch.testing.assert_close(probs, attention_probs(model, idx)[-1, 0])
     assert probs.shape == (4, 9, 9)
     assert torch.equal(probs.triu(diagonal=1), torch.zeros_like(probs))
     torch.testing.assert_close(probs.sum(-1), torch.ones(4, 9))
@@ -40,7 +41,7 @@ def test_the_plotted_probabilities_are_causal_rows_summing_to_one(model):
 
 def test_the_layer_can_be_chosen_and_out_of_range_layers_are_refused(model):
     idx = torch.randint(0, 101, (1, 6))
-    all_layers = model.attention_probs(idx)
+    all_layers = attention_probs(model, idx)
     assert torch.equal(prompt_attention(model, idx, 0), all_layers[0, 0])
     assert torch.equal(prompt_attention(model, idx, -2), all_layers[1, 0])
     with pytest.raises(ValueError, match="attention_layer=3 is out of range"):
@@ -86,7 +87,7 @@ def test_the_formula_view_is_the_models_steps_and_its_row_adds_up(model):
     recompose the layer's output; the variance shrinks by d_k when scaled."""
     idx = torch.randint(0, 101, (1, 9))
     view = formula_view(model, idx, layer=1, head=2, row=5)
-    steps = model.formula_steps(idx, 1)
+    steps = formula_steps(model, idx, 1)
     S = torch.tensor(view["steps"]["S"], dtype=torch.float64)
     torch.testing.assert_close(S, steps["S"][2].double(), atol=1e-6, rtol=0)
     assert view["steps"]["masked"][5][6] is None and view["steps"]["masked"][5][5] is not None

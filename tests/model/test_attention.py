@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from model import GPT
 from model.gpt import causal_attention
+from model.inspection import attention_probs
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES
 
@@ -17,7 +18,7 @@ def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(option
     torch.manual_seed(0)
     model = GPT(tiny_config(**ARCHITECTURES[options])).eval()
     idx = torch.randint(0, 101, (3, 16))
-    S = model.attention_probs(idx)  # (n_layer, B, nh, T, T)
+    S = attention_probs(model, idx)  # (n_layer, B, nh, T, T)
     assert S.shape == (2, 3, 2, 16, 16)
     torch.testing.assert_close(S.sum(-1), torch.ones(2, 3, 2, 16), atol=1e-6, rtol=0)
     above = torch.ones(16, 16, dtype=torch.bool).triu(diagonal=1)
@@ -25,12 +26,18 @@ def test_attention_rows_are_distributions_with_nothing_above_the_diagonal(option
     assert (S[..., ~above] > 0).all()  # every allowed key gets some weight
 
 
-def test_attention_probs_ignore_dropout_and_keep_the_mode():
+def test_attention_probs_refuse_dropout_and_never_switch_the_mode():
+    """Inspection switches no mode (another thread may be using the model): a model in train
+    mode with dropout is refused and left in train mode; in eval mode S is the same each time."""
     torch.manual_seed(0)
     model = GPT(tiny_config(dropout=0.5)).train()
     idx = torch.randint(0, 101, (2, 16))
-    torch.testing.assert_close(model.attention_probs(idx), model.attention_probs(idx))
-    assert model.training
+    with pytest.raises(ValueError, match="model.eval()"):
+        attention_probs(model, idx)
+    assert model.training and model.transformer.drop.training
+    model.eval()
+    torch.testing.assert_close(attention_probs(model, idx), attention_probs(model, idx))
+    assert not model.training
 
 
 @pytest.mark.parametrize("B,H,T,dk", [(1, 1, 1, 8), (2, 3, 1, 16), (2, 4, 7, 8), (3, 2, 64, 32)])

@@ -8,6 +8,7 @@ import torch
 from model import GPT, flash_attention
 from model.flash_attention import flash_causal_attention, key_tiles, query_tiles, tile_keep_mask
 from model.gpt import causal_attention
+from model.inspection import attention_probs
 from tests.conftest import tiny_config
 from tests.model.conftest import assert_gives_manuals_logits_and_gradients, find_leaks
 
@@ -122,7 +123,7 @@ def test_asking_for_the_weights_falls_back_to_the_manual_formula():
     flash = GPT(tiny_config(attention="flash")).eval()
     flash.load_state_dict(manual.state_dict())
     idx = torch.randint(0, 101, (2, 16))
-    torch.testing.assert_close(flash.attention_probs(idx), manual.attention_probs(idx))
+    torch.testing.assert_close(attention_probs(flash, idx), attention_probs(manual, idx))
 
 
 def test_dropout_is_manual_attention_with_the_per_tile_masks():

@@ -1,6 +1,6 @@
-"""GPT.formula_steps: every step of the attention formula, from the model's own lines, recomposes
-the layer's attention output in the forward pass, for every implementation and option set; a
-step computed with a mask one position late fails the same check."""
+"""formula_steps (model/inspection.py): every step of the attention formula, from the model's own
+lines, recomposes the layer's attention output in the forward pass, for every implementation and
+option set; a step computed with a mask one position late fails the same check."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from model import GPT, gpt
+from model.inspection import attention_probs, formula_steps
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES, TRITON_OPTIONS, matrix, random_projections
 
@@ -20,7 +21,7 @@ def steps_of(options: str, attention: str) -> tuple[GPT, torch.Tensor, dict[str,
     torch.manual_seed(0)
     model = random_projections(GPT(tiny_config(attention=attention, **ARCHITECTURES[options])))
     idx = torch.randint(0, 101, (1, T))
-    return model, idx, model.formula_steps(idx, LAYER)
+    return model, idx, formula_steps(model, idx, LAYER)
 
 
 def recomposed(model: GPT, steps: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -35,7 +36,7 @@ def test_the_steps_recompose_the_forward_and_follow_the_formula(options, attenti
     c = model.config
     with torch.no_grad():
         torch.testing.assert_close(recomposed(model, steps), steps["forward"], atol=1e-6, rtol=0)
-    torch.testing.assert_close(steps["S"], model.attention_probs(idx)[LAYER, 0], atol=0, rtol=0)
+    torch.testing.assert_close(steps["S"], attention_probs(model, idx)[LAYER, 0], atol=0, rtol=0)
     # each option is its own step where it is on, and absent where it is off
     assert ("Q_norm" in steps) == c.qk_norm and ("Q_rope" in steps) == (c.pos_embedding == "rope")
     q = steps.get("Q_rope", steps.get("Q_norm", steps["Q"]))  # what the scores are made of

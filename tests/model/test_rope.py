@@ -8,6 +8,7 @@ import torch
 
 from model import GPT, gpt
 from model.gpt import apply_rope, rope_tables
+from model.inspection import attention_probs
 from tests.conftest import tiny_config
 
 
@@ -86,7 +87,7 @@ def test_attention_probs_use_the_rotated_queries_and_keys():
     torch.manual_seed(0)
     model = GPT(tiny_config(pos_embedding="rope", qk_norm=True, attention="flash")).eval()
     idx = torch.randint(0, 101, (2, 16))
-    S = model.attention_probs(idx)  # (n_layer, B, nh, T, T)
+    S = attention_probs(model, idx)  # (n_layer, B, nh, T, T)
     attn = model.transformer.h[0].attn
     with torch.no_grad():
         x = model.transformer.h[0].ln_1(model.transformer.wte(idx))
