@@ -29,7 +29,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import sys
@@ -62,7 +61,6 @@ from model.inspection import attention_probs
 PAGE = Path(__file__).with_name("page.html")
 KEY_VARIABLE = "CAUSALGPT_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
 
 
 class ApiError(Exception):
@@ -227,9 +225,12 @@ class Server:
             deadline = self.limits["body_timeout_s"]
             why = f"the body did not arrive within body_timeout_s={deadline} seconds"
             raise ApiError(408, why, Connection="close") from None
-        try:
-            fields = json.loads(body)
-        except (ValueError, RecursionError) as e:  # bad UTF-8 too; RecursionError: [[[[...
+        try:  # UTF-8 only (json.loads would also take UTF-16 and UTF-32 bytes), strictly: a
+            # surrogate encoded into the bytes is no UTF-8
+            fields = json.loads(body.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"the body is not UTF-8: {str(e)[:80]}") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: [[[[...
             raise ApiError(400, f"the body is not JSON: {str(e)[:80]}") from None
         if not isinstance(fields, dict):
             raise ApiError(400, f"the body must be a JSON object, not {type(fields).__name__}")
@@ -238,14 +239,16 @@ class Server:
             # each message is a token at least
             message = f"{len(messages)} messages, over the {most} tokens of a prompt: send fewer"
             raise ApiError(400, message, "messages")
-        if SURROGATE.search(body):  # a string may hold half a pair, which no UTF-8 can encode
+        for name, value in fields.items():  # an escape of half a UTF-16 pair: not Unicode
             try:
-                json.dumps(fields, ensure_ascii=False).encode()
+                json.dumps({name: value}, ensure_ascii=False).encode()
             except UnicodeEncodeError:
+                named = name.encode(errors="backslashreplace").decode()  # the answer is UTF-8
                 raise ApiError(
                     400,
-                    "the body's text has a lone surrogate (a \\uD800-\\uDFFF escape without its "
-                    "pair), which is no Unicode character: send valid Unicode",
+                    f"{named} has a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
+                    "which is no Unicode character: send valid Unicode",
+                    named,
                 ) from None
         try:
             return kind.model_validate(fields)

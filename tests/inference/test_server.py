@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -18,12 +19,14 @@ import hypothesis
 import openai
 import pytest
 import torch
+import uvicorn
 from hypothesis import strategies as st
 
+from data.chat import chat_tokenizer
 from data.tokenizer import get_tokenizer
 from inference.cli import run
 from inference.generate import next_token
-from inference.server import ApiError, CompletionRequest, Server
+from inference.server import ApiError, CompletionRequest, Server, uvicorn_config
 from model import GPT, GPTConfig
 from tests.inference.conftest import JSON, SERVE_PY, request, wait_until_idle
 
@@ -188,11 +191,22 @@ def test_a_bad_request_gets_openais_error_shape(server, body, status, param, say
 
 
 def test_a_lone_surrogate_is_a_400_and_a_pair_is_text(server):
-    """Issue 50 item 4: "\\ud800" (as json.dumps escapes it) echoed was a 500; a pair, as it
-    escapes an emoji, is that emoji."""
+    """Issue 50 item 4: "\\ud800" (as json.dumps escapes it) echoed was a 500; so was issue
+    56's, the surrogate encoded straight into the bytes; UTF-16 and UTF-32 bodies (which
+    json.loads takes) are not UTF-8. A pair, as json.dumps escapes an emoji, is that emoji."""
     fields = {"max_tokens": 2, "echo": True}
     status, _, answer = request(server, "POST", "/v1/completions", {"prompt": "\ud800", **fields})
     assert status == 400 and "lone surrogate" in answer["error"]["message"]
+    assert answer["error"]["param"] == "prompt"
+    raw = json.dumps({"prompt": "a\ud800", **fields}, ensure_ascii=False)
+    for body, says in [
+        (raw.encode("utf-8", "surrogatepass"), "not UTF-8"),  # b'a\xed\xa0\x80'
+        (json.dumps({"prompt": "a", **fields}).encode("utf-16"), "not UTF-8"),
+        (json.dumps({"prompt": "a", **fields}).encode("utf-32"), "not UTF-8"),
+        (json.dumps({"\udc00": 1, "prompt": "a"}).encode(), "lone surrogate"),  # in a name
+    ]:
+        status, _, answer = request(server, "POST", "/v1/completions", body)
+        assert status == 400 and says in answer["error"]["message"], (body, answer)
     status, _, answer = request(server, "POST", "/v1/completions", {"prompt": "🎭", **fields})
     assert status == 200 and answer["choices"][0]["text"].startswith("🎭")
 
@@ -609,3 +623,105 @@ def test_a_huge_top_k_beside_a_stream_spares_it(serve_in_process):
     chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert not [c for c in chunks if "error" in c]  # the sampled text itself may say "error"
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)  # st.characters' own range drops them
+TEXT = st.text(st.characters() | SURROGATES, max_size=12)  # lone surrogates, often
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT}
+    ),
+    min_size=1,
+    max_size=3,
+)
+SMALL = st.integers(0, 3)
+REQUESTS = {  # each route's valid body, every string in it random text
+    "/v1/completions": st.fixed_dictionaries(
+        {
+            "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=2),
+            "max_tokens": st.integers(1, 3),
+            "echo": st.booleans(),
+            "stream": st.booleans(),
+        },
+        optional=dict(stop=TEXT, user=TEXT, logprobs=SMALL),
+    ),
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {"messages": MESSAGES, "max_tokens": st.integers(1, 3)},
+        optional=dict(
+            stream=st.booleans(), stop=st.lists(TEXT, max_size=2), logprobs=st.booleans()
+        ),
+    ),
+    "/api/attention": st.fixed_dictionaries({}, optional=dict(text=TEXT, messages=MESSAGES)),
+    "/api/formula": st.fixed_dictionaries({"text": TEXT}, optional=dict(layer=SMALL, row=SMALL)),
+    "/api/causality": st.fixed_dictionaries(
+        {"ids": st.lists(st.integers(0, 50258), min_size=1, max_size=4), "replacement": TEXT},
+        optional=dict(position=SMALL),
+    ),
+}
+ENCODINGS = ["ascii-escapes", "utf-8", "utf-8", "utf-16", "utf-32"]
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    """(route, body): a route's valid body with random text, perhaps one field made any JSON
+    value, encoded in one of the encodings; or random bytes; or any JSON."""
+    route = draw(st.sampled_from(list(REQUESTS)))
+    kind = draw(st.sampled_from(["valid", "valid", "one field", "bytes", "any JSON"]))
+    if kind == "bytes":
+        return route, draw(st.binary(max_size=200))
+    fields = draw(REQUESTS[route] if kind != "any JSON" else JSON_VALUES)
+    if kind == "one field" and fields:
+        fields[draw(st.sampled_from(sorted(fields)))] = draw(JSON_VALUES)
+    return route, encoded(fields, draw(st.sampled_from(ENCODINGS)))
+
+
+def encoded(fields: dict, encoding: str) -> bytes:
+    """The fields as JSON in `encoding`: JSON's own escapes, or the characters themselves, a
+    lone surrogate written into the bytes as such."""
+    if encoding == "ascii-escapes":
+        return json.dumps(fields).encode()
+    return json.dumps(fields, ensure_ascii=False).encode(encoding, "surrogatepass")
+
+
+@pytest.fixture(scope="module")
+def chat_url() -> Iterator[str]:
+    """A chat model's server in this process (every route parses), its batcher running."""
+    torch.manual_seed(0)
+    enc = chat_tokenizer(get_tokenizer("gpt2"))
+    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    values = dict(max_batch=4, max_queue=4, max_tokens=8, max_n=2, max_body_bytes=10_000)
+    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None, body_timeout_s=60)
+    server = Server(model.eval(), enc, "m", values | dict(max_connections=64), hosts=None)
+    server.batcher.start()
+    sock = socket.create_server(("127.0.0.1", 0))
+    served = uvicorn.Server(uvicorn_config(server))
+    thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    served.should_exit = True
+    thread.join(timeout=60)
+
+
+@hypothesis.seed(56)
+@hypothesis.settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
+@hypothesis.given(bodies())
+def test_no_bytes_a_client_sends_are_a_5xx_or_a_traceback(chat_url, capfd, sent):
+    """Issue 56 item 2: random bytes, random JSON, and random text (lone surrogates included,
+    escaped or in the bytes, in UTF-8, 16 or 32) in every field of every route: never a 5xx,
+    never a traceback in the log, and an innocent request beside it answered."""
+    route, body = sent
+    status, _, answer = request(chat_url, "POST", route, body, parse=bytes)
+    assert status < 500, (body, answer)
+    innocent = {"prompt": "Hi", "max_tokens": 1}
+    assert request(chat_url, "POST", "/v1/completions", innocent)[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
