@@ -79,14 +79,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class StreamOptions(Strict):
+    include_usage: bool = False  # a last chunk, its choices empty, with the request's usage
+
+
 class Sampling(Strict):
-    """The fields completions and chat completions share: OpenAI's, and our own filters."""
+    """The fields completions and chat completions share: OpenAI's, and our own filters. The
+    penalties OpenAI defines that we do not implement are accepted at their neutral 0, which
+    current clients send (repetition_penalty is ours)."""
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63)
     user: str | None = None
@@ -110,6 +119,7 @@ class Message(Strict):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str
+    name: str | None = None  # OpenAI's participant name: accepted, not in the chat template
 
     @field_validator("role")
     @classmethod
@@ -290,6 +300,12 @@ class Server:
     def jobs(self, req: CompletionRequest | ChatRequest, prompts: list, emit: Any) -> list[Job]:
         """One job per prompt (a conversation, for chat) and choice (index prompt * n + choice;
         seed + index), checked against the limits. It tokenizes: run it off the event loop."""
+        for param in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, param):
+                message = f"{param} is not implemented here: send 0, or use repetition_penalty"
+                raise ApiError(400, message, param)
+        if req.stream_options is not None and not req.stream:  # OpenAI's 400 too
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
         held = self.limits["max_batch"] + self.limits["max_queue"]
         max_tokens = req.max_tokens or self.limits["max_tokens"]
@@ -401,6 +417,14 @@ class Server:
                 left -= choice["finish_reason"] is not None
                 yield choice
 
+        def usage() -> dict:
+            """The prompts' tokens once each, and every choice's generated tokens."""
+            prompt = sum(len(job.ids) for job in jobs[:: req.n])
+            completion = sum(len(job.tokens) for job in jobs)
+            return dict(
+                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            )
+
         async def stream() -> AsyncIterator[str]:
             chunk = {**head, "object": "chat.completion.chunk"} if chat else head
             try:
@@ -412,6 +436,8 @@ class Server:
                     if chat:
                         choice["delta"] = {"content": choice.pop("text")}
                     yield f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n"
+                if req.stream_options and req.stream_options.include_usage:
+                    yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage()})}\n\n"
                 yield "data: [DONE]\n\n"
             except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
                 yield f"data: {json.dumps(e.body)}\n\n"
@@ -439,10 +465,7 @@ class Server:
         if chat:
             for choice in merged:
                 choice["message"] = dict(role="assistant", content=choice.pop("text"))
-        usage = dict(prompt_tokens=sum(len(job.ids) for job in jobs[:: req.n]))
-        usage["completion_tokens"] = sum(len(job.tokens) for job in jobs)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {**head, "choices": merged, "usage": usage}
+        return {**head, "choices": merged, "usage": usage()}
 
     async def view(self, request: Request, kind: type[Strict], show: Callable) -> dict:
         """A page view `show(body)` on the views' thread, bounded as completions are: past
@@ -571,9 +594,12 @@ async def _hang_up(request: Request) -> None:
 
 class HeaderDeadline(H11Protocol):
     """uvicorn's HTTP/1.1, where a request's headers must be complete `timeout_keep_alive`
-    seconds after the connection opens or the last answer ends: uvicorn's own timer restarts at
-    every byte, so a client sending headers a byte at a time (slowloris) would hold its
-    connection for ever. A client's doing is its answer, not the log's: uvicorn warns at every
+    seconds after the connection opens or the last answer ends: uvicorn's own keep-alive timer
+    stops at the first byte, so a client sending headers a byte at a time (slowloris) would hold
+    its connection for ever (nothing in uvicorn, h11 or Starlette bounds a request's headers in
+    time). The deadline is per request: armed while none is in flight, cancelled when one's
+    headers are in, including a pipelined one that uvicorn starts from its buffer as the
+    previous answer ends. A client's doing is its answer, not the log's: uvicorn warns at every
     connection past max_connections (its 503) and every invalid request, which a flood of them
     would fill; errors still show."""
 
@@ -587,17 +613,17 @@ class HeaderDeadline(H11Protocol):
         self.arm()
 
     def on_response_complete(self) -> None:
+        self.arm()  # before uvicorn starts a pipelined request, whose headers then cancel it
         super().on_response_complete()
-        self.arm()
 
     def arm(self) -> None:
         self.deadline = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
 
-    def data_received(self, data: bytes) -> None:
+    def handle_events(self) -> None:
         cycle = self.cycle
-        super().data_received(data)
+        super().handle_events()
         if self.cycle is not cycle:  # a request's headers are in
             self.deadline.cancel()  # (on a closed connection, uvicorn's handler does nothing)
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -147,16 +148,20 @@ def wait_until_idle(url: str) -> dict:
 
 
 @pytest.fixture
-def serve_in_process() -> Iterator[Callable[[Server], str]]:
-    """serve_in_process(server) -> the base URL of create_app(server), served by uvicorn as
-    serve.py serves it, on a thread of this process (so a test can reach into the Server) on a
-    free local port; stopped at the test's end. The socket listens before the thread starts: no
+def serve_in_process() -> Iterator[Callable[..., str]]:
+    """serve_in_process(server, **settings) -> the base URL of create_app(server), served by
+    uvicorn as serve.py serves it (uvicorn.Config's `settings` changed), on a thread of this
+    process (so a test can reach into the Server) on a free local port; stopped at the test's
+    end. The socket listens before the thread starts: no
     wait for readiness."""
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(server: Server) -> str:
+    def start(server: Server, **settings: Any) -> str:
         sock = socket.create_server(("127.0.0.1", 0))
-        served = uvicorn.Server(uvicorn_config(server))
+        config = uvicorn_config(server)
+        for name, value in settings.items():
+            setattr(config, name, value)
+        served = uvicorn.Server(config)
         thread = threading.Thread(target=served.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         running.append((served, thread))

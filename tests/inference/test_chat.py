@@ -146,6 +146,34 @@ def test_todays_openai_fields(serve_in_process, chat_run):
     assert raised.value.body["param"] == "max_completion_tokens"
 
 
+def test_the_fields_clients_send_at_their_neutral_values(serve_in_process, chat_run):
+    """Issue 56 item 7, from the openai client: stream_options.include_usage ends a stream with
+    a chunk of no choices and the usage the non-streamed reply has; the penalties at 0 and a
+    message's name change nothing; a penalty we do not implement is a 400 that says so."""
+    client = serve(serve_in_process, chat_run)
+    fields = dict(model="chat", messages=MESSAGES, temperature=0, max_tokens=6)
+    plain = client.chat.completions.create(**fields)
+    named = [{**m, "name": "horatio"} for m in MESSAGES]
+    neutral = dict(presence_penalty=0, frequency_penalty=0)
+    same = client.chat.completions.create(**{**fields, "messages": named}, **neutral)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            **fields, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    for field in neutral:
+        with pytest.raises(openai.BadRequestError, match="not implemented here") as raised:
+            client.chat.completions.create(**fields, **{field: 0.5})
+        assert raised.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError, match="needs stream: true"):
+        client.chat.completions.create(**fields, stream_options={"include_usage": True})
+
+
 def test_a_reply_ends_at_the_end_of_turn(serve_in_process, tmp_path):
     run = save_chat_model(tmp_path / "run", ends_at_once=True)
     answer = serve(serve_in_process, run).chat.completions.create(

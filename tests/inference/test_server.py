@@ -3,6 +3,7 @@ client library never sends (malformed JSON, hang-ups, oversized bodies)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import io
 import json
@@ -157,7 +158,7 @@ TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
     "body, status, param, says",
     [
         (b'{"prompt": "Hi", "max_tokens": ', 400, None, "not JSON"),
-        (b"\xff\xfe not utf-8", 400, None, "not JSON"),
+        (b"\xff\xfe not utf-8", 400, None, "not UTF-8"),
         (b'["a", "list"]', 400, None, "must be a JSON object, not list"),
         (b"[" * 10_000 + b"]" * 10_000, 400, None, "not JSON"),  # nested past Python's stack
         ({"max_tokens": 5}, 400, "prompt", "Field required"),
@@ -170,7 +171,8 @@ TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
         ({"prompt": "Hi", "n": 0}, 400, "n", "greater than or equal to 1"),
         ({"prompt": "Hi", "n": 9}, 400, "n", "at most 8"),
         ({"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens", "at most 1024"),
-        ({"prompt": "Hi", "frequency_penalty": 1}, 400, "frequency_penalty", "Extra inputs"),
+        ({"prompt": "Hi", "frequency_penalty": 1}, 400, "frequency_penalty", "not implemented"),
+        ({"prompt": "Hi", "logit_bias": {}}, 400, "logit_bias", "Extra inputs"),
         ({"prompt": "Hi", "bogus": 1}, 400, "bogus", "Extra inputs"),
         ({"prompt": TOO_LONG}, 400, "prompt", "tokens, over the limit of 32"),
         ({"prompt": []}, 400, "prompt", "must not be empty"),
@@ -724,4 +726,38 @@ def test_no_bytes_a_client_sends_are_a_5xx_or_a_traceback(chat_url, capfd, sent)
     assert status < 500, (body, answer)
     innocent = {"prompt": "Hi", "max_tokens": 1}
     assert request(chat_url, "POST", "/v1/completions", innocent)[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_pipelined_requests_are_answered_in_order(serve_in_process, capfd):
+    """Issue 56 item 3: `GET /api/info` and a completion sent in one write on a keep-alive
+    connection both get their answers, in order, the completion taking longer than
+    timeout_keep_alive (the header deadline, armed as the first answer ended, used to cut it).
+    The batcher starts only after every timer armed before the completion was queued has had
+    its turn on the event loop: a callback on the same loop, due later than the deadline."""
+    server, keep_alive = small_server(), 0.2
+    submit = server.batcher.submit
+
+    def submit_then_decode_late(jobs: list) -> bool:  # on the event loop, as the route calls it
+        loop = asyncio.get_running_loop()
+        loop.call_later(2 * keep_alive, server.batcher.start)  # after any deadline armed by now
+        return submit(jobs)
+
+    server.batcher.submit = submit_then_decode_late
+    url = serve_in_process(server, timeout_keep_alive=keep_alive)
+    host = urlsplit(url).netloc
+    body = json.dumps({"prompt": "Hi", "max_tokens": 3}).encode()
+    info = f"GET /api/info HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    completion = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+    completion += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((urlsplit(url).hostname, urlsplit(url).port), timeout=60) as sock:
+        sock.sendall(info + completion.encode() + body)
+        stream, answers = sock.makefile("rb"), []
+        for _ in range(2):  # status line, headers, then Content-Length bytes of JSON
+            status = int(stream.readline().split()[1])
+            lines = iter(lambda: stream.readline().strip(), b"")
+            headers = dict(line.lower().split(b": ", 1) for line in lines)
+            answers.append((status, json.loads(stream.read(int(headers[b"content-length"])))))
+    assert answers[0][0] == 200 and answers[0][1]["model"] == "m"
+    assert answers[1][0] == 200 and answers[1][1]["usage"]["completion_tokens"] == 3
     assert "Traceback" not in capfd.readouterr().err
