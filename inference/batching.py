@@ -7,6 +7,13 @@ leave (the last row moves into the freed one), waiting jobs join, every job whos
 or full gets it (re)filled alone in its row, all but its newest token; then one forward over
 all rows, a token each, and each row's next token from `next_token` with that job's settings.
 
+The rows are shared fairly between clients (a job's `client`: its peer address or API key).
+Waiting jobs join round-robin, the client holding the fewest rows first; where no row is free,
+a client above its fair share (max_batch over the clients with jobs) gives a row back to one
+below it: that job waits at the head of the queue and, when it rejoins, refills the window it
+was on, so its tokens are the ones it would have drawn without the pause. And a client that
+holds no job finds max_batch // 2 places past a queue that another client filled.
+
 The tokens are generate.py's, for the same settings and seed: each job follows TokenContext's
 window (the prompt's last block_size tokens, restarted at the last block_size // 2 when full),
 its logits are the same sums in another batch shape (within 1e-5 in float32), and its draws come
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,10 +109,12 @@ class Job:
     text: TextStream
     emit: Callable[[Job, str, int, str | None, torch.Tensor | None], None]
     end: int | None = None  # a token that ends it besides <|endoftext|>: a chat reply's <|im_end|>
+    client: str = ""  # who sent it: rows are shared fairly between clients
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)  # generated so far
     seq: torch.Tensor | None = None  # prompt + generated (1, T), while it decodes
     start: int | None = None  # where its window starts (generate.window_start); None: not yet
+    refill: bool = False  # its row was given to another client: its window is filled again
 
 
 class Batcher:
@@ -128,9 +138,13 @@ class Batcher:
         threading.Thread(target=self._loop, name="batcher", daemon=True).start()
 
     def submit(self, jobs: list[Job]) -> bool:
-        """Queue all of `jobs`, or none when they would pass max_batch + max_waiting."""
+        """Queue all of `jobs` (one client's), or none when they would pass max_batch +
+        max_waiting; a client that holds no job may pass it by max_batch // 2 (see the top)."""
         with self.wake:
-            if len(self.active) + len(self.waiting) + len(jobs) > self.max_batch + self.max_waiting:
+            held = self.active + self.waiting
+            newcomer = all(job.client != jobs[0].client for job in held)
+            room = self.max_batch + self.max_waiting + (self.max_batch // 2 if newcomer else 0)
+            if len(held) + len(jobs) > room:
                 return False
             self.waiting += jobs
             self.wake.notify()
@@ -158,15 +172,10 @@ class Batcher:
         (rows, V), before sampling filters, or None when no job was left to decode."""
         with self.wake:  # leave, then join: the batch's rows change only here
             for i in reversed(range(len(self.active))):
-                job = self.active[i]
-                if job.cancelled or job.text.done:
-                    self.cache.move(len(self.active) - 1, i)
-                    self.active[i] = self.active[-1]
-                    self.active.pop()
+                if self.active[i].cancelled or self.active[i].text.done:
+                    self._leave(i)
             self.waiting = [job for job in self.waiting if not job.cancelled]
-            joining = self.max_batch - len(self.active)
-            self.active += self.waiting[:joining]
-            del self.waiting[:joining]
+            self._share_rows()
             jobs = list(self.active)
         if not jobs:
             return None
@@ -186,6 +195,32 @@ class Batcher:
             except Exception:  # this job's own failure (its text, its callback) ends it alone
                 _fail([job])
         return logits
+
+    def _leave(self, i: int) -> Job:
+        """Row i's job leaves the batch; the last row moves into its place."""
+        job = self.active[i]
+        self.cache.move(len(self.active) - 1, i)
+        self.active[i] = self.active[-1]
+        self.active.pop()
+        return job
+
+    def _share_rows(self) -> None:
+        """Waiting jobs join, round-robin between clients, a row given back by a client above its
+        fair share where none is free (see the top)."""
+        while self.waiting:
+            held = Counter(job.client for job in self.active)
+            joining = min(self.waiting, key=lambda job: held[job.client])  # the first of those
+            if len(self.active) == self.max_batch:
+                clients = {job.client for job in self.active + self.waiting}
+                share = max(1, self.max_batch // len(clients))
+                richest = max(reversed(self.active), key=lambda job: held[job.client])
+                if held[joining.client] >= share or held[richest.client] <= share:
+                    return
+                paused = self._leave(self.active.index(richest))
+                paused.refill = True
+                self.waiting.insert(0, paused)
+            self.waiting.remove(joining)
+            self.active.append(joining)
 
     def _draw(self, logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
         """Each row's next token (rows,), all in one pass, each with its own job's settings;
@@ -209,9 +244,9 @@ class Batcher:
         if job.seq is None:
             job.seq = torch.tensor([job.ids], device=self.padding.device)
         start = window_start(job.seq.size(1), job.start, self.block_size)  # job.start None: new
-        if start == job.start:
+        if start == job.start and not job.refill:
             return
-        job.start = start
+        job.start, job.refill = start, False
         self.cache.rows = slice(row, row + 1)
         self.cache.length = 0
         if job.seq.size(1) - 1 > job.start:

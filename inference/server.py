@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hmac
 import json
 import logging
@@ -187,7 +188,7 @@ class Server:
     def __init__(self, model: GPT, tokenizer: Encoding, name: str, limits: dict, hosts: set | None):
         """hosts: the Host headers a request may carry (None: any, for a wildcard address)."""
         self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits
-        self.key, self.hosts = limits.pop("api_key"), hosts
+        self.keys, self.hosts = limits.pop("api_keys"), hosts
         self.batcher = Batcher(
             model, tokenizer.eot_token, tokenizer.n_vocab, limits["max_batch"], limits["max_queue"]
         )
@@ -219,9 +220,17 @@ class Server:
             raise ApiError(403, f"requests from other origins ({origin}) are refused")
 
     def authorize(self, request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if self.key and not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+        """Every API route's gate: the request's key, where keys are set, names its client (each
+        key compared in constant time, every one of them); else its peer address does. The
+        batcher shares its rows fairly between clients."""
+        if not self.keys:
+            request.state.client = request.client.host if request.client else ""
+            return
+        given = request.headers.get("authorization", "").encode()
+        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in self.keys]
+        if not any(matches):
             raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>")
+        request.state.client = f"key {matches.index(True)}"
 
     async def parse(self, request: Request, kind: type[Strict]) -> Any:
         """The body as `kind`: at most max_body_bytes of JSON, sent as such, with exactly its
@@ -297,9 +306,12 @@ class Server:
             raise ApiError(400, f"{param} is {len(ids)} tokens, over the limit of {most}", param)
         return ids
 
-    def jobs(self, req: CompletionRequest | ChatRequest, prompts: list, emit: Any) -> list[Job]:
+    def jobs(
+        self, req: CompletionRequest | ChatRequest, prompts: list, emit: Any, client: str = ""
+    ) -> list[Job]:
         """One job per prompt (a conversation, for chat) and choice (index prompt * n + choice;
-        seed + index), checked against the limits. It tokenizes: run it off the event loop."""
+        seed + index) of `client`, checked against the limits. It tokenizes: run it off the
+        event loop."""
         for param in ("presence_penalty", "frequency_penalty"):
             if getattr(req, param):
                 message = f"{param} is not implemented here: send 0, or use repetition_penalty"
@@ -307,14 +319,18 @@ class Server:
         if req.stream_options is not None and not req.stream:  # OpenAI's 400 too
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-        held = self.limits["max_batch"] + self.limits["max_queue"]
         max_tokens = req.max_tokens or self.limits["max_tokens"]
+        newer = isinstance(req, ChatRequest) and req.max_completion_tokens is not None
+        tokens = "max_completion_tokens" if newer else "max_tokens"  # the name the client sent
+        budget, spent = self.limits["max_request_tokens"], len(prompts) * req.n * max_tokens
+        held = self.limits["max_batch"] + self.limits["max_queue"]
         for param, value, limit, what in [
-            ("max_tokens", max_tokens, self.limits["max_tokens"], ""),
+            (tokens, max_tokens, self.limits["max_tokens"], ""),
             ("n", req.n, self.limits["max_n"], ""),
             ("prompt", len(prompts), self.limits["max_n"], ""),
             ("stop", len(stop), 4, ""),
             ("n", len(prompts) * req.n, held, " completions (n x prompts), max_batch + max_queue"),
+            (tokens, spent, budget, f" x n x prompts (max_request_tokens={budget}): ask less"),
         ]:
             if value > limit:
                 raise ApiError(400, f"{param} is at most {limit}{what}, got {value}", param)
@@ -332,7 +348,7 @@ class Server:
         for i in range(len(prompts) * req.n):  # each choice: its own generator and text
             gen, text = torch.Generator().manual_seed(seed + i), TextStream(self.tokenizer, stop)
             end = self.end if isinstance(req, ChatRequest) else None
-            jobs.append(Job(ids[i // req.n], params, max_tokens, gen, text, emit, end))
+            jobs.append(Job(ids[i // req.n], params, max_tokens, gen, text, emit, end, client))
         return jobs
 
     def logprobs(self, token: int, logits: torch.Tensor, top: int, chat: bool) -> dict:
@@ -396,7 +412,7 @@ class Server:
             choice = dict(text=text, index=jobs.index(job), logprobs=logprobs, finish_reason=reason)
             loop.call_soon_threadsafe(events.put_nowait, choice)
 
-        jobs = await asyncio.to_thread(self.jobs, req, prompts, emit)
+        jobs = await asyncio.to_thread(self.jobs, req, prompts, emit, request.state.client)
         if not self.batcher.submit(jobs):
             raise ApiError(429, "the server is full; retry in a moment", **{"Retry-After": "1"})
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -601,16 +617,37 @@ class HeaderDeadline(H11Protocol):
     headers are in, including a pipelined one that uvicorn starts from its buffer as the
     previous answer ends. A client's doing is its answer, not the log's: uvicorn warns at every
     connection past max_connections (its 503) and every invalid request, which a flood of them
-    would fill; errors still show."""
+    would fill; errors still show.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    And one address holds at most `per_client` of the connections (max_connections_per_client):
+    past it, a connection is answered 503 as it opens and no longer counted, so that one client
+    cannot hold every place under uvicorn's max_connections (its limit_concurrency). The answer
+    ends with a half close: what the client sends meanwhile is read and dropped until it closes
+    or the deadline does (closing on unread bytes would reset the connection, answer unread)."""
+
+    def __init__(self, *args: Any, per_client: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.per_client, self.refused = per_client, False
         self.logger = logging.getLogger("uvicorn.error.clients")
         self.logger.setLevel(logging.ERROR)
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        super().connection_made(transport)  # counted among self.connections, its address known
         self.arm()
+        peer = self.client and self.client[0]
+        if sum(peer == (c.client and c.client[0]) for c in self.connections) > self.per_client:
+            most = f"max_connections_per_client={self.per_client}"
+            body = json.dumps(error_body(f"this address has {most} connections open")).encode()
+            head = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            head += f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+            transport.write(head.encode() + body)
+            transport.write_eof()
+            self.connections.discard(self)
+            self.refused = True
+
+    def data_received(self, data: bytes) -> None:
+        if not self.refused:
+            super().data_received(data)
 
     def on_response_complete(self) -> None:
         self.arm()  # before uvicorn starts a pipelined request, whose headers then cancel it
@@ -688,18 +725,45 @@ def create_app(server: Server) -> FastAPI:
 
 def limits(cfg: Mapping[str, Any]) -> dict:
     """The limits and the key, checked (before a model is loaded)."""
-    lows = dict(
-        max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1, max_connections=1
-    )
+    lows = dict(max_batch=1, max_queue=0, max_tokens=1, max_n=1, max_body_bytes=1)
+    lows |= dict(max_request_tokens=1, max_connections=1, max_connections_per_client=1)
     values = {
         n: check(n, cfg[n], is_int(cfg[n], low), f"an integer >= {low}") for n, low in lows.items()
     }
     values["body_timeout_s"] = positive("body_timeout_s", cfg["body_timeout_s"])
     for n in ("max_prompt_tokens", "page_tokens"):  # null: set by the model's block_size
         values[n] = check(n, cfg[n], cfg[n] is None or is_int(cfg[n], 1), "an integer >= 1 or null")
-    key = cfg["api_key"] or os.environ.get(KEY_VARIABLE) or None
-    check("api_key", "<hidden>", key is None or isinstance(key, str), "a string or null")
-    return {**values, "api_key": key}
+    most = values["max_connections"]
+    check(
+        "max_connections_per_client",
+        values["max_connections_per_client"],
+        values["max_connections_per_client"] <= most,
+        f"at most max_connections ({most})",
+    )
+    return {**values, "api_keys": api_keys(cfg)}
+
+
+def api_keys(cfg: Mapping[str, Any]) -> list[str]:
+    """The API keys, one per client: api_key (one, or a list), else the lines of api_key_file
+    (blank lines and # comments skipped), else $CAUSALGPT_API_KEY; none: no key required."""
+    keys, path = cfg["api_key"], cfg["api_key_file"]
+    if keys is not None and path is not None:
+        raise ConfigError("api_key and api_key_file are both set: give one")
+    if path is not None:
+        try:
+            lines = Path(str(path)).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"api_key_file={path} cannot be read ({e.__class__.__name__}): give a UTF-8 "
+                "file of keys, one per line"
+            ) from None
+        keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        check("api_key_file", path, len(keys) > 0, "a file with at least one key")
+    keys = keys or os.environ.get(KEY_VARIABLE) or []
+    keys = [keys] if isinstance(keys, str) else keys
+    ok = isinstance(keys, Sequence) and all(isinstance(k, str) and k for k in keys)
+    check("api_key", "<hidden>", ok, "a string, a list of strings, or null")
+    return list(keys)
 
 
 def main(cfg: Mapping[str, Any]) -> int:
@@ -714,7 +778,7 @@ def main(cfg: Mapping[str, Any]) -> int:
         ok = ok and all(isinstance(n, str) and n for n in named)
         check("allowed_hosts", named, named is None or ok, hostnames)
         if host not in LOOPBACK:
-            keyless = "" if values["api_key"] else f" (no API key: api_key= or {KEY_VARIABLE})"
+            keyless = "" if values["api_keys"] else f" (no API key: api_key= or {KEY_VARIABLE})"
             warning = f"host={host}: anyone who can reach this port can use the model{keyless}"
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         device = resolve_device(str(cfg["device"]))
@@ -747,11 +811,13 @@ def main(cfg: Mapping[str, Any]) -> int:
 
 
 def uvicorn_config(server: Server) -> uvicorn.Config:
-    """How uvicorn serves the app: the header deadline, and a 503 for a request that finds
-    max_connections others open (uvicorn counts its own)."""
+    """How uvicorn serves the app: the header deadline and the connections per address, and a
+    503 for a request that finds max_connections others open (uvicorn counts its own)."""
     return uvicorn.Config(
         create_app(server),
-        http=HeaderDeadline,
+        http=functools.partial(
+            HeaderDeadline, per_client=server.limits["max_connections_per_client"]
+        ),
         log_level="warning",
         timeout_graceful_shutdown=1,
         limit_concurrency=server.limits["max_connections"] + 1,

@@ -249,3 +249,53 @@ def test_batched_decoding_refuses_flash_attention():
     silently wrong, so the batcher refuses it."""
     with pytest.raises(ValueError, match="attention=manual or sdpa, not flash"):
         Batcher(GPT(tiny_config(attention="flash")), 0, 101, max_batch=2, max_waiting=0)
+
+
+def test_rows_are_shared_fairly_and_a_paused_job_draws_its_own_tokens(model):
+    """Issue 56 item 5: client A's four jobs hold every row of a batch of 4 (its fifth waits);
+    B's job, sent later, gets a row at the next step, given back by A (over its share, 2 of 4),
+    and the paused job rejoins before A's fifth; each job's tokens are still the ones it draws
+    alone (stream_tokens), the paused one's included; a client holding no job queues past a
+    queue that A filled, A itself does not."""
+    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=4, max_waiting=1)
+    hog = [dataclasses.replace(job, client="A") for job in _jobs(model) + _jobs(model)[:1]]
+    hog[4].generator = torch.Generator().manual_seed(9)
+    assert batcher.submit(hog)
+    batcher.step()
+    batcher.step()
+    assert batcher.active == hog[:4] and batcher.waiting == [hog[4]]
+    innocent = dataclasses.replace(_jobs(model)[1], client="B")
+    assert not batcher.submit([dataclasses.replace(_jobs(model)[0], client="A")])  # A is full
+    assert batcher.submit([innocent])  # B holds nothing: it finds a place past the full queue
+    batcher.step()
+    assert innocent in batcher.active and sum(job.client == "A" for job in batcher.active) == 3
+    paused = next(job for job in hog[:4] if job not in batcher.active)
+    assert batcher.waiting[:2] == [paused, hog[4]] and len(paused.tokens) == 2
+    while batcher.step() is not None:
+        pass
+    for job, seed in zip(hog + [innocent], [0, 1, 2, 3, 9, 1], strict=True):
+        generator = torch.Generator().manual_seed(seed)
+        alone = stream_tokens(
+            model, torch.tensor([job.ids]), job.max_tokens, job.params, generator, vocab_size=50257
+        )
+        assert job.tokens == [int(t) for t in alone]
+
+
+@given(st.lists(st.sampled_from("ABC"), min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None, database=None)
+def test_no_client_holds_more_than_its_share_while_another_waits(small_model, clients):
+    """Jobs of random clients, submitted one at a time with a step between: after every step,
+    a client with a waiting job holds at least its share of the rows (max_batch over the
+    clients with jobs, at least 1), or no client holds more than that share."""
+    batcher = Batcher(small_model, eot=0, vocab_size=512, max_batch=3, max_waiting=20)
+    for client in clients:
+        text, greedy = TextStream(get_tokenizer("gpt2")), SamplingParams(temperature=0)
+        job = Job([1, 2], greedy, 6, torch.Generator(), text, lambda *args: None, client=client)
+        assert batcher.submit([job])
+        batcher.step()
+        held = {c: sum(j.client == c for j in batcher.active) for c in "ABC"}
+        waiting = {j.client for j in batcher.waiting}
+        share = max(1, 3 // len(waiting | {j.client for j in batcher.active}))
+        assert len(batcher.active) == 3 or not waiting  # no row idle while a job waits
+        for client_waiting in waiting:
+            assert held[client_waiting] >= share or max(held.values()) <= share

@@ -57,8 +57,8 @@ def serve(serve_in_process, run) -> openai.OpenAI:
 def serve_url(serve_in_process, run) -> str:
     ckpt = load_source(run, "cpu", attention="manual")  # as serve.py loads it
     limits = dict(max_batch=4, max_queue=4, max_tokens=64, max_n=4, max_body_bytes=100_000)
-    limits |= dict(page_tokens=128, max_prompt_tokens=128, api_key=None)
-    limits |= dict(body_timeout_s=60, max_connections=64)
+    limits |= dict(page_tokens=128, max_prompt_tokens=128, api_keys=[], max_request_tokens=8192)
+    limits |= dict(body_timeout_s=60, max_connections=64, max_connections_per_client=64)
     server = Server(ckpt.model.eval(), ckpt.tokenizer(), "chat", limits, hosts=None)
     server.batcher.start()
     return serve_in_process(server)

@@ -171,6 +171,12 @@ TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
         ({"prompt": "Hi", "n": 0}, 400, "n", "greater than or equal to 1"),
         ({"prompt": "Hi", "n": 9}, 400, "n", "at most 8"),
         ({"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens", "at most 1024"),
+        (
+            {"prompt": ["x"] * 8, "n": 8, "max_tokens": 1024},  # issue 56's first hog
+            400,
+            "max_tokens",
+            "at most 8192 x n x prompts (max_request_tokens=8192): ask less, got 65536",
+        ),
         ({"prompt": "Hi", "frequency_penalty": 1}, 400, "frequency_penalty", "not implemented"),
         ({"prompt": "Hi", "logit_bias": {}}, 400, "logit_bias", "Extra inputs"),
         ({"prompt": "Hi", "bogus": 1}, 400, "bogus", "Extra inputs"),
@@ -278,6 +284,10 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
         (["page_tokens=100000"], "error: page_tokens must be at most the model's block_size, 32"),
         (["max_prompt_tokens=33"], "error: max_prompt_tokens must be at most the model's"),
         (["port=TAKEN"], "error: cannot listen on 127.0.0.1:TAKEN: Address already in use;"),
+        (["max_connections_per_client=200"], "error: max_connections_per_client must be at most"),
+        (["api_key=k", "api_key_file=keys"], "error: api_key and api_key_file are both set"),
+        (["api_key_file=/no/keys"], "error: api_key_file=/no/keys cannot be read"),
+        (["api_key=[k, 5]"], "error: api_key must be a string, a list of strings, or null"),
     ],
 )
 def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path, serve_checkpoint):
@@ -463,8 +473,9 @@ def small_server(**limits) -> Server:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=8))
     values = dict(max_batch=4, max_queue=4, max_tokens=300, max_n=4, max_body_bytes=10_000)
-    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None, body_timeout_s=60)
-    values |= dict(max_connections=64) | limits
+    values |= dict(page_tokens=8, max_prompt_tokens=32, api_keys=[], body_timeout_s=60)
+    values |= dict(max_connections=64, max_connections_per_client=64, max_request_tokens=8192)
+    values |= limits
     return Server(model.eval(), get_tokenizer("gpt2"), "m", values, hosts=None)
 
 
@@ -697,8 +708,9 @@ def chat_url() -> Iterator[str]:
     enc = chat_tokenizer(get_tokenizer("gpt2"))
     model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=32, n_layer=1, n_head=1, n_embd=8))
     values = dict(max_batch=4, max_queue=4, max_tokens=8, max_n=2, max_body_bytes=10_000)
-    values |= dict(page_tokens=8, max_prompt_tokens=32, api_key=None, body_timeout_s=60)
-    server = Server(model.eval(), enc, "m", values | dict(max_connections=64), hosts=None)
+    values |= dict(page_tokens=8, max_prompt_tokens=32, api_keys=[], body_timeout_s=60)
+    values |= dict(max_connections=64, max_connections_per_client=64, max_request_tokens=8192)
+    server = Server(model.eval(), enc, "m", values, hosts=None)
     server.batcher.start()
     sock = socket.create_server(("127.0.0.1", 0))
     served = uvicorn.Server(uvicorn_config(server))
@@ -760,4 +772,56 @@ def test_pipelined_requests_are_answered_in_order(serve_in_process, capfd):
             answers.append((status, json.loads(stream.read(int(headers[b"content-length"])))))
     assert answers[0][0] == 200 and answers[0][1]["model"] == "m"
     assert answers[1][0] == 200 and answers[1][1]["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_client_is_its_key_or_its_address(serve_in_process, tmp_path):
+    """Issue 56: each API key names a client (two keys from one address are two clients for
+    the fair share); without keys the peer address does. Keys stay out of /api/info."""
+    server, clients = small_server(api_keys=["k1", "k2"]), []
+    submit = server.batcher.submit
+    server.batcher.submit = lambda jobs: clients.append(jobs[0].client) or submit(jobs)
+    server.batcher.start()
+    url = serve_in_process(server)
+    for key in ("k1", "k2", "k1"):
+        auth = {"Authorization": f"Bearer {key}"}
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert request(url, "POST", "/v1/completions", body, auth)[0] == 200
+    assert request(url, "POST", "/v1/completions", body, {"Authorization": "Bearer k3"})[0] == 401
+    assert clients == ["key 0", "key 1", "key 0"]
+    info = json.dumps(request(url, "GET", "/api/info", headers=auth)[2])
+    assert "k1" not in info and "k2" not in info
+    keyless = small_server()
+    submit = keyless.batcher.submit
+    keyless.batcher.submit = lambda jobs: clients.append(jobs[0].client) or submit(jobs)
+    keyless.batcher.start()
+    assert request(serve_in_process(keyless), "POST", "/v1/completions", body)[0] == 200
+    assert clients[-1] == "127.0.0.1"
+
+
+def test_one_address_cannot_hold_every_connection(serve_in_process, capfd):
+    """Issue 56 item 4: 40 connections from 127.0.0.2 that send headers and never finish (each
+    refused one reconnects) hold at most max_connections_per_client of the 16 places: each past
+    it is answered 503 as it opens; a client at 127.0.0.1 is answered all the while. The
+    negative control: with the per-address cap at the global one, the same flood locks it out."""
+    for per_client, locked_out in [(4, False), (16, True)]:
+        server = small_server(max_connections=16, max_connections_per_client=per_client)
+        server.batcher.start()
+        url = serve_in_process(server)
+        address = urlsplit(url).hostname, urlsplit(url).port
+        head = f"GET /v1/models HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n".encode()
+        held, refused = [], 0
+        for _ in range(40):
+            sock = socket.create_connection(address, timeout=60, source_address=("127.0.0.2", 0))
+            sock.sendall(head)  # and never the blank line that ends the headers
+            if len(held) < per_client:
+                held.append(sock)
+                continue
+            with sock, sock.makefile("rb") as answer:
+                refused += answer.read().startswith(b"HTTP/1.1 503")  # to the server's close
+        assert refused == 40 - per_client
+        status, _, answer = request(url, "GET", "/v1/models", parse=bytes)
+        assert (status == 503) == locked_out, answer
+        for sock in held:
+            sock.close()
     assert "Traceback" not in capfd.readouterr().err
