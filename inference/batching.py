@@ -11,8 +11,9 @@ The rows are shared fairly between clients (a job's `client`: its peer address o
 Waiting jobs join round-robin, the client holding the fewest rows first; where no row is free,
 a client above its fair share (max_batch over the clients with jobs) gives a row back to one
 below it: that job waits at the head of the queue and, when it rejoins, refills the window it
-was on, so its tokens are the ones it would have drawn without the pause. And a client that
-holds no job finds max_batch // 2 places past a queue that another client filled.
+was on, so its tokens are the ones it would have drawn without the pause. And a client holding
+at most max_batch jobs still finds a place when others filled the queue: max_batch places past
+it are kept for such clients.
 
 The tokens are generate.py's, for the same settings and seed: each job follows TokenContext's
 window (the prompt's last block_size tokens, restarted at the last block_size // 2 when full),
@@ -139,12 +140,12 @@ class Batcher:
 
     def submit(self, jobs: list[Job]) -> bool:
         """Queue all of `jobs` (one client's), or none when they would pass max_batch +
-        max_waiting; a client that holds no job may pass it by max_batch // 2 (see the top)."""
+        max_waiting, unless the client holds at most max_batch jobs with them (see the top)."""
         with self.wake:
-            held = self.active + self.waiting
-            newcomer = all(job.client != jobs[0].client for job in held)
-            room = self.max_batch + self.max_waiting + (self.max_batch // 2 if newcomer else 0)
-            if len(held) + len(jobs) > room:
+            held, room = self.active + self.waiting, self.max_batch + self.max_waiting
+            mine = len(jobs) + sum(job.client == jobs[0].client for job in held)
+            reserved = self.max_batch if mine <= self.max_batch else 0  # places past the queue
+            if len(held) + len(jobs) > room + reserved:
                 return False
             self.waiting += jobs
             self.wake.notify()

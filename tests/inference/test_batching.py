@@ -256,7 +256,7 @@ def test_rows_are_shared_fairly_and_a_paused_job_draws_its_own_tokens(model):
     B's job, sent later, gets a row at the next step, given back by A (over its share, 2 of 4),
     and the paused job rejoins before A's fifth; each job's tokens are still the ones it draws
     alone (stream_tokens), the paused one's included; a client holding no job queues past a
-    queue that A filled, A itself does not."""
+    queue that A filled (among max_batch kept past it), A itself does not."""
     batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=4, max_waiting=1)
     hog = [dataclasses.replace(job, client="A") for job in _jobs(model) + _jobs(model)[:1]]
     hog[4].generator = torch.Generator().manual_seed(9)
@@ -266,7 +266,7 @@ def test_rows_are_shared_fairly_and_a_paused_job_draws_its_own_tokens(model):
     assert batcher.active == hog[:4] and batcher.waiting == [hog[4]]
     innocent = dataclasses.replace(_jobs(model)[1], client="B")
     assert not batcher.submit([dataclasses.replace(_jobs(model)[0], client="A")])  # A is full
-    assert batcher.submit([innocent])  # B holds nothing: it finds a place past the full queue
+    assert batcher.submit([innocent])  # B holds at most max_batch: a place past the full queue
     batcher.step()
     assert innocent in batcher.active and sum(job.client == "A" for job in batcher.active) == 3
     paused = next(job for job in hog[:4] if job not in batcher.active)
