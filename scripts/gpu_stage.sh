@@ -22,6 +22,13 @@ cp -r "$NANOGPT" "$DIR/nanoGPT"
 # (antlr4's runtime 4.9.3, Hydra's pin, is published as a source archive only).
 "$PYTHON" -m pip wheel --quiet --no-deps -w "$DIR/whl" \
   hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+# The server and pytest, for gpu_check.sh's isolation step, at the versions installed here, as
+# the device's CPython 3.12 on x86-64 Linux takes them (pydantic-core is compiled).
+SERVER=(fastapi starlette pydantic pydantic-core uvicorn h11 anyio sniffio annotated-types
+        typing-inspection typing-extensions click idna pytest pluggy iniconfig packaging)
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_17_x86_64 -d "$DIR/whl" \
+  $("$PYTHON" -c 'import sys, importlib.metadata as m; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' "${SERVER[@]}")
 du -sh "$DIR" | sed 's/^/staged: /'
 
 cat << 'EOF'

@@ -40,6 +40,8 @@ def test_the_smoke_run_writes_every_table_with_measured_rows(tmp_path):
         "attention": lambda row: number(row[3]) > 0,  # fwd ms, not an error
         "nanogpt": lambda row: number(row[2]) > 0,  # tokens/s
         "step": lambda row: number(row[1]) > 0,  # tokens/s, not an error
+        "isolation": lambda row: row == ["page views beside batched decoding, float32 and "
+                                         "bfloat16", "cpu", "passed"],
     }
     if NANOGPT.is_dir():
         assert result.returncode == 0, result.stdout + result.stderr
@@ -77,7 +79,10 @@ def test_the_staged_directory_installs_what_the_gpu_machine_lacks(tmp_path):
     wheels = sorted(str(w) for w in (stage / "whl").glob("*.whl"))
     site = tmp_path / "site"
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-    subprocess.run([*install, "--target", site, *wheels], check=True)
+    device = ["--python-version", "3.12", "--platform", "manylinux_2_17_x86_64"]  # the GPU's
+    device += ["--implementation", "cp", "--only-binary=:all:"]
+    subprocess.run([*install, *device, "--target", site, *wheels], check=True)
     assert {"hydra", "omegaconf", "antlr4"} <= {p.name for p in site.iterdir()}
+    assert {"fastapi", "uvicorn", "pydantic_core", "pytest"} <= {p.name for p in site.iterdir()}
     # ignored, so it travels only with carry=[".gpu"] and never lands in a commit
     assert "/.gpu/" in (ROOT / ".gitignore").read_text().split()

@@ -1,10 +1,12 @@
 """No request sees another's data: the page's views, run beside batched decoding through real
 HTTP, answer exactly what they answer alone, in float32 and in bfloat16 (where the batcher
-decodes from the served model itself, not from a copy)."""
+decodes from the served model itself, not from a copy). On the device $ISOLATION_DEVICE names
+(default cpu): scripts/gpu_check.sh runs it with cuda on a lent GPU."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -22,7 +24,7 @@ ROUNDS = 8  # of the three views, while completions decode
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_page_views_beside_batched_decoding_answer_as_alone(start_server, dtype):
-    url = start_server(f"dtype={dtype}")[0]
+    url = start_server(f"dtype={dtype}", f"device={os.environ.get('ISOLATION_DEVICE', 'cpu')}")[0]
     alone = [request(url, "POST", path, body) for path, body in VIEWS]
     assert all(status == 200 for status, _, _ in alone), alone
     views_done, decoded = threading.Event(), []
