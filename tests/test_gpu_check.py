@@ -40,8 +40,9 @@ def test_the_smoke_run_writes_every_table_with_measured_rows(tmp_path):
         "attention": lambda row: number(row[3]) > 0,  # fwd ms, not an error
         "nanogpt": lambda row: number(row[2]) > 0,  # tokens/s
         "step": lambda row: number(row[1]) > 0,  # tokens/s, not an error
-        "isolation": lambda row: row == ["page views beside batched decoding, float32 and "
-                                         "bfloat16", "cpu", "passed"],
+        "isolation": lambda row: (
+            row == ["page views beside batched decoding, float32 and bfloat16", "cpu", "passed"]
+        ),
     }
     if NANOGPT.is_dir():
         assert result.returncode == 0, result.stdout + result.stderr
