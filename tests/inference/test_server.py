@@ -825,3 +825,35 @@ def test_one_address_cannot_hold_every_connection(serve_in_process, capfd):
         for sock in held:
             sock.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_an_innocent_client_is_answered_while_a_hog_decodes(serve_in_process):
+    """Issue 56 item 5 through HTTP: a client's 4 completions of 300 tokens fill both rows and
+    wait for more; another client's 16 tokens, sent once the hog decodes (the batcher's second
+    step waits for it to be queued), are answered while every hog completion is still short
+    of its 300 (first come, first served answered it after the hog's first two)."""
+    server, queued, hog_jobs = small_server(max_batch=2, max_queue=8), threading.Event(), []
+    submit, step = server.batcher.submit, server.batcher.step
+
+    def recording(jobs: list) -> bool:
+        accepted = submit(jobs)
+        queued.set() if jobs[0].client == "127.0.0.2" else hog_jobs.extend(jobs)
+        return accepted
+
+    def step_once_the_innocent_waits():
+        if server.batcher.active:
+            assert queued.wait(60)
+        return step()
+
+    server.batcher.submit, server.batcher.step = recording, step_once_the_innocent_waits
+    server.batcher.start()
+    url = serve_in_process(server)
+    netloc, body = urlsplit(url).netloc, {"prompt": "x", "n": 4, "max_tokens": 300}
+    hog = http.client.HTTPConnection(netloc, timeout=120)
+    hog.request("POST", "/v1/completions", json.dumps(body).encode(), JSON)
+    innocent = http.client.HTTPConnection(netloc, timeout=120, source_address=("127.0.0.2", 0))
+    innocent.request("POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 16}', JSON)
+    answer = innocent.getresponse()
+    assert answer.status == 200 and json.loads(answer.read())["usage"]["completion_tokens"] == 16
+    assert len(hog_jobs) == 4 and all(len(job.tokens) < 300 for job in hog_jobs)
+    assert hog.getresponse().status == 200  # and the hog is answered in full after it
