@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+ONE_SCORE = "one token has one score, and a variance needs two: give a longer text"
 MAX_LABEL_CHARS = 10
 MAX_TICKS = 40  # beyond this many tokens, label every k-th one
 
@@ -158,9 +159,10 @@ def formula_view(
         "d_k": hs,
         "steps": {k: _rounded(v) for k, v in {**per_head, **per_layer}.items()},
         "heads": {"S": steps["S"].mul(1e6).round().div(1e6).tolist(), "shares": shares},
-        "sqrt_dk": {
-            "var_raw": raw[visible].var().item(),
-            "var_scaled": scaled[visible].var().item(),
+        "sqrt_dk": {  # a one-token text has one score: no variance to show
+            "var_raw": raw[visible].var().item() if T > 1 else None,
+            "var_scaled": scaled[visible].var().item() if T > 1 else None,
+            "note": None if T > 1 else ONE_SCORE,
             "largest": largest,
             "entropy": entropy,
             "largest_unscaled": largest_unscaled,
@@ -197,8 +199,9 @@ def row_lines(view: dict, labels: Sequence[str]) -> list[str]:
         f"exp(. - max)       {numbers(r['exps'])}  (sum {r['sum']:.4g})",
         f"S[{i}, j] = exp/sum  {numbers(r['weights'])}",
         f"y_{i} = sum_j S[{i}, j] v_j = [{numbers(r['y'])}]",
-        f"why / sqrt(d_k): score variance {s['var_raw']:.3g} raw, {s['var_scaled']:.3g} scaled; "
-        f"row {i}'s largest weight {s['largest']:.3g} (entropy {s['entropy']:.3g} nats), "
+        "why / sqrt(d_k): "
+        + (s["note"] or f"score variance {s['var_raw']:.3g} raw, {s['var_scaled']:.3g} scaled")
+        + f"; row {i}'s largest weight {s['largest']:.3g} (entropy {s['entropy']:.3g} nats), "
         f"without the division {s['largest_unscaled']:.3g} ({s['entropy_unscaled']:.3g} nats)",
     ]
 

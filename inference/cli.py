@@ -6,6 +6,7 @@ mistakes, which `main` turns into one `error: ...` line and exit code 2.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -50,14 +51,35 @@ def write_attention_plot(
     attention_plot.plot_attention(probs, attention_plot.token_labels(tokenizer, ids), path, title)
 
 
+def figure_path(key: str, value: Any) -> str | None:
+    """attention_plot= and formula=: a file name, true for `<key>.png` here, or null (false)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return f"{key}.png"
+    ok = isinstance(value, str) and value != ""
+    return check(key, value, ok, f"a file name like {key}.png, true (for {key}.png) or null")
+
+
+FORMULA_KEYS = dict(layer="attention_layer", head="formula_head", row="formula_row")
+
+
 def write_formula(
     model: GPT, tokenizer: tiktoken.Encoding, ids: list[int], cfg: Mapping[str, Any], err: TextIO
 ) -> None:
     """`formula=<png>`: one head's attention formula step by step, drawn, and the chosen row's
-    computation printed."""
+    computation printed; in float32 whatever the sampling dtype, so its numbers add up."""
+    if model.lm_head.weight.dtype != torch.float32:
+        model = copy.deepcopy(model).float()
     layer = model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
-    view = attention_plot.formula_view(model, idx, layer, cfg["formula_head"], cfg["formula_row"])
+    try:
+        view = attention_plot.formula_view(
+            model, idx, layer, cfg["formula_head"], cfg["formula_row"]
+        )
+    except ConfigError as e:  # "<field>=<value> is out of range": named as the user typed it
+        field, rest = str(e).split("=", 1)
+        raise ConfigError(f"{FORMULA_KEYS[field]}={rest}") from None
     labels = attention_plot.token_labels(tokenizer, ids)
     attention_plot.plot_formula(view, labels, cfg["formula"])
     print(*attention_plot.row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)
@@ -180,6 +202,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     stream = cfg["stream"]
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
+    plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
+    cfg = {**cfg, **plots}  # .get: keys newer than a caller's dict
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or cfg["attention_plot"] or cfg.get("formula")):

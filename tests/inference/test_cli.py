@@ -159,6 +159,22 @@ def test_the_formula_figure_is_written_and_one_querys_computation_printed(
     assert lines[-1] == f"wrote {figure}"
 
 
+def test_true_names_the_figures_and_a_one_token_formula_says_why_no_variance(
+    run_dir, sample_cfg, tmp_path, monkeypatch, capsys
+):
+    """Issue 55 items 2 and 3: formula=true and attention_plot=true write formula.png and
+    attention_plot.png here (they were tracebacks); a one-token text's formula prints why it has
+    no score variance instead of nan."""
+    monkeypatch.chdir(tmp_path)
+    args = ["prompt=Hello", "max_new_tokens=0", "formula=true", "attention_plot=true"]
+    run(sample_cfg(f"checkpoint={run_dir}", *args))
+    for name in ("formula.png", "attention_plot.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    err = capsys.readouterr().err
+    assert "why / sqrt(d_k): one token has one score, and a variance needs two" in err
+    assert "nan" not in err and "wrote formula.png" in err
+
+
 def errors_of(cfg, capsys) -> str:
     """Run main(cfg); assert it failed as a user mistake; return the error line."""
     with pytest.raises(SystemExit) as exited:
@@ -283,8 +299,11 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("device=tpu9", "device must be auto or a device (cpu, cuda, cuda:1, mps), got 'tpu9'"),
         ("prompt_file=/nonexistent/p.txt", "prompt_file /nonexistent/p.txt does not exist"),
         ("attention_plot=x.png attention_layer=7", "attention_layer=7 is out of range"),
-        ("formula=x.png formula_head=9", "head=9 is out of range: use 0 to 1"),
-        ("formula=x.png formula_row=99", "row=99 is out of range: the text has 1 tokens"),
+        ("formula=x.png formula_head=9", "error: formula_head=9 is out of range: use 0 to 1"),
+        ("formula=x.png formula_row=99", "error: formula_row=99 is out of range: the text has 1"),
+        ("formula=x.png attention_layer=5", "error: attention_layer=5 is out of range: use 0 to 1"),
+        ("formula=5", "formula must be a file name like formula.png, true (for formula.png) or"),
+        ("attention_plot=[a]", "attention_plot must be a file name like attention_plot.png"),
     ],
 )
 def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):

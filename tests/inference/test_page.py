@@ -141,6 +141,13 @@ def formula_view_shows_the_apis_numbers(browser, url: str, tmp_path: Path) -> No
     assert shares == pytest.approx(api["heads"]["shares"])
     browser.execute_script("document.getElementById('formula_view').scrollIntoView()")
     browser.save_screenshot(str(tmp_path / "formula.png"))
+    # one token (issue 55 item 3; it was a JavaScript error and empty panels): the panel says
+    # why there is no variance, and every head's share is still drawn
+    dom("$('formula').dataset.state = ''; view = {...view, ids: view.ids.slice(0, 1)}; query = 0")
+    browser.find_element(By.ID, "formula_show").click()
+    wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
+    assert "one token has one score" in browser.find_element(By.ID, "sqrt_dk").text
+    assert len(dom("return [...document.querySelectorAll('#shares figure')]")) == len(shares)
 
 
 def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
