@@ -16,7 +16,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.format == "gguf" and "tokenizer.chat_template" in GGUFReader(out).fields:
         how = f"chat with it in llama.cpp (its template formats the turns): llama-cli -m {out}"
     elif cfg.format == "gguf":  # -n 32: within the positions of a learned-position model
-        how = f"run it with llama.cpp, e.g. llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'"
+        how = f"run it with llama.cpp, e.g. llama-completion -m {out} -no-cnv -n 32 -p 'The'"
     else:
         how = f"load it with transformers' AutoModelForCausalLM.from_pretrained('{out}')"
     print(f"wrote {out}: {how}")

@@ -36,7 +36,7 @@ from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
 from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
-from data.chat import CHAT_TEMPLATE, IM_END
+from data.chat import CHAT_TEMPLATE, IM_END, TEMPLATE
 from data.tokenizer import gpt2_bpe_files
 from model import GPTConfig
 
@@ -66,6 +66,8 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
     overwrite = boolean("overwrite", cfg.get("overwrite", False))
     if as_gguf and out.is_dir():
         raise ConfigError(f"out={out} is a directory; format=gguf writes one file")
+    if as_gguf and out.suffix != ".gguf":  # llama.cpp's tools and users look for the suffix
+        raise ConfigError(f"out={out} has no .gguf suffix: give out={out.name}.gguf")
     if not as_gguf and out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a directory")
     if (out.is_file() or out.is_dir() and any(out.iterdir())) and not overwrite:
@@ -181,7 +183,7 @@ def _tokenizer_json(tokenizer: tiktoken.Encoding) -> dict[str, Any]:
     def spell(b: bytes) -> str:
         return "".join(BYTE_CHARS[x] for x in b)
 
-    if tokenizer.name == "gpt2":
+    if tokenizer.name.removesuffix(f"+{TEMPLATE}") == "gpt2":  # a chat model's too
         merges = gpt2_bpe_files()[1].read_text(encoding="utf-8").splitlines()[1:]  # "#version"
     else:
         merges = [

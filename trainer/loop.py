@@ -576,8 +576,9 @@ class Trainer:
         if improved:
             self.state.best_val_loss = result.loss
             self.save("best", with_trainer_state=False, val_loss=result.loss, val_bpb=result.bpb)
+        spread = "" if math.isnan(result.stderr) else f" ± {result.stderr:.4f}"  # one batch: none
         self.progress.message(
-            f"step {self.state.step} | val loss {result.loss:.4f} ± {result.stderr:.4f} "
+            f"step {self.state.step} | val loss {result.loss:.4f}{spread} "
             f"| val bpb {result.bpb:.4f}{' | best' if improved else ''}"
         )
         self._record(result.metrics("val") | self._task_metrics(), self.state.step)

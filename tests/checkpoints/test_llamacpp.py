@@ -209,6 +209,16 @@ def test_the_tokens_and_merges_give_our_ids(tmp_path, name, pre):
         assert llama_cpp_tokenize(text, tokens, merges, pre) == ours.encode_ordinary(text), text
 
 
+def test_a_chat_models_gpt2_merges_are_gpt2s(tmp_path):
+    """Issue 55 item 8: a chat model's GPT-2 tokenizer (gpt2+chatml) exported every split of a
+    token (108,299 merges); it is GPT-2's own 50,000, as the base model's, plus the turns."""
+    path, _ = save_tiny_checkpoint(tmp_path, {"chat_template": "chatml"}, vocab_size=50259)
+    reader = export_gguf(tmp_path, path)
+    merges = field(reader, "tokenizer.ggml.merges")
+    assert merges == gpt2_bpe_files()[1].read_text(encoding="utf-8").splitlines()[1:]
+    assert field(reader, "tokenizer.ggml.tokens")[-2:] == ["<|im_start|>", "<|im_end|>"]
+
+
 def test_the_bpe_here_tells_tokenizers_apart(tmp_path):
     """Negative control: GPT-2's pre-tokenizer on a trained vocabulary, and a vocabulary without
     its merges, give other ids."""
@@ -234,7 +244,7 @@ def test_a_refused_option_is_one_line_and_writes_nothing(tmp_path):
 @pytest.mark.parametrize(
     "meta, vocab_size, command",
     [
-        ({}, 50257, "llama-completion -m {out} -no-cnv -n 32 -p 'ROMEO:'\n"),
+        ({}, 50257, "llama-completion -m {out} -no-cnv -n 32 -p 'The'\n"),
         ({"chat_template": "chatml"}, 50259, "llama-cli -m {out}\n"),
     ],
 )
@@ -286,3 +296,7 @@ def test_bad_keys_and_an_existing_out_are_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.gguf"]
     with pytest.raises(ConfigError, match="is a directory; format=gguf writes one file"):
         export_checkpoint({"checkpoint": str(path), "out": str(tmp_path), "format": "gguf"})
+    fort = tmp_path / "fort"  # issue 55: a name without the suffix was written silently
+    with pytest.raises(ConfigError, match=r"has no \.gguf suffix: give out=fort\.gguf"):
+        export_checkpoint({"checkpoint": str(path), "out": str(fort), "format": "gguf"})
+    assert not fort.exists()

@@ -509,3 +509,15 @@ def test_mfu_never_exceeds_100_percent_the_peak_is_measured_again_once(
            if "train_mfu" in row]  # fmt: skip
     assert asked == [False, True]
     assert len(mfu) == 4 and mfu[0] == 1.0 and all(0 < m <= 1.0 for m in mfu)
+
+
+def test_an_evaluation_of_one_batch_prints_no_spread(tmp_path, corpus, capsys):
+    """Issue 55: one batch has no standard error; the line said `± nan`. Two batches say it."""
+    for steps in (1, 2):
+        trainer = make_trainer(
+            tmp_path / str(steps), corpus, *QUIET, "train.max_steps=1",
+            f"train.eval_steps={steps}", "train.final_eval=periodic",
+        )  # fmt: skip
+        trainer.run()
+        line = next(s for s in capsys.readouterr().out.splitlines() if "| val loss " in s)
+        assert "nan" not in line and (" ± " in line) == (steps == 2), line
