@@ -27,14 +27,14 @@ FEATURES = {
         ("inference/attention_plot.py", ["formula_view", "_rounded", "row_lines"]),
         ("inference/attention_plot.py", ["plot_formula"]),
         ("inference/server.py", ["FormulaRequest", "Server.formula"]),
-        ("inference/cli.py", ["write_formula"]),
+        ("inference/cli.py", ["write_formula", "FORMULA_KEYS"]),
     ],
     "OpenAI-compatible server, request batching, live attention page": [
         ("serve.py", None),
         ("inference/server.py", None),
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
-        ("inference/cli.py", ["write_attention_plot"]),  # sample.py attention_plot=
+        ("inference/cli.py", ["write_attention_plot", "figure_path"]),  # attention_plot=
         ("model/inspection.py", ["layer_inputs", "probs", "attention_probs"]),  # S of the views
     ],
     "export to transformers and GGUF": [
