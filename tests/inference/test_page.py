@@ -154,12 +154,18 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     serve_in_process, browser, tmp_path: Path
 ):
     """A chat model's page: the panel streams the reply /v1/chat/completions gives, then draws S
-    over system, user and assistant turns, each turn's start marked in rows, columns and tokens."""
+    over system, user and assistant turns, each turn's start marked in rows, columns and tokens.
+    The Generate panel's settings are not the chat's (issue 55: its stop cut a chat reply)."""
     run = save_chat_model(tmp_path / "run")
     url = serve_url(serve_in_process, run)
+    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    answer = expected.chat.completions.create(
+        model="chat", messages=MESSAGES[:2], temperature=0, max_tokens=8
+    )
     wait = WebDriverWait(browser, 120)
     browser.get(url)
     wait.until(lambda b: b.find_element(By.ID, "chat").is_displayed())
+    browser.find_element(By.ID, "stop").send_keys(answer.choices[0].message.content[1:3])
     browser.find_element(By.ID, "chat_max_tokens").clear()  # the chat panel's own settings
     browser.find_element(By.ID, "chat_max_tokens").send_keys("8")
     browser.find_element(By.ID, "chat_temperature").clear()
@@ -171,10 +177,7 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     wait.until(lambda b: status.get_attribute("data-state") in ("done", "failed"))
     assert status.text.startswith("done: 8 tokens, finish_reason length"), status.text
     reply = browser.find_elements(By.CSS_SELECTOR, "#conversation p.assistant")[0].text
-    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    answer = expected.chat.completions.create(
-        model="chat", messages=MESSAGES[:2], temperature=0, max_tokens=8
-    )
+    assert len(answer.choices[0].message.content) >= 3  # so the stop above would have cut it
     assert reply == "assistant" + answer.choices[0].message.content  # the role, then the text
 
     wait.until(lambda b: b.find_element(By.ID, "attention").get_attribute("data-state") == "ready")
