@@ -61,7 +61,7 @@ def render(
     mask: list[bool] = []
     for message in messages:
         head = f"{message['role']}\n"
-        body = tokenizer.encode_ordinary(head + message["content"])
+        body = tokenizer.encode_ordinary(head + text_of(message["content"]))
         reply = message["role"] == "assistant"
         # each token's end, in bytes: those past the head hold content
         ends = accumulate(map(len, tokenizer.decode_tokens_bytes(body)))
@@ -81,10 +81,20 @@ def generation_prompt(
     return render(messages, tokenizer, generation_prompt=True)[0]
 
 
+def text_of(content: Any) -> Any:
+    """A message's text: OpenAI's newer form, a list of text parts ``[{"type": "text", "text":
+    ...}]``, joined with nothing between; any other content as it is."""
+    parts = isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    )
+    return "".join(p["text"] for p in content) if parts else content
+
+
 def bad_message(message: Any) -> str | None:
     """Why `message` is not a message of the template (None: it is one)."""
-    if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-        return "a message without a string content"
+    if not isinstance(message, dict) or not isinstance(text_of(message.get("content")), str):
+        return "a message without a string content (or text parts)"
     if message.get("role") not in ROLES:
         return f"a role other than {', '.join(ROLES)}"
     return None
@@ -100,7 +110,7 @@ def problem(messages: Any) -> str | None:
     for message in messages:
         if why := bad_message(message):
             return why
-        if not message["content"].strip():
+        if not text_of(message["content"]).strip():
             return "an empty content"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from base.errors import CONFIG_DIR, DataError
 from base.files import atomic_path, sha256_file, verify_files, writable_error, write_atomic
-from data.chat import TEMPLATE, chat_tokenizer, problem, render
+from data.chat import TEMPLATE, chat_tokenizer, problem, render, text_of
 from data.sources import get_source, progress_bars
 from data.tokenizer import (
     TOKENIZER_FILE,
@@ -197,7 +197,9 @@ def encode_conversations(batch: dict[str, list], enc: tiktoken.Encoding) -> dict
         "ids": [np.array(ids, dtype=np.uint32) for ids, _ in rows],
         "mask": [np.array(mask, dtype=np.uint8) for _, mask in rows],
         "nbytes": [
-            0 if bad else sum(len(m["content"].encode()) for m in c if m["role"] == "assistant")
+            0
+            if bad
+            else sum(len(text_of(m["content"]).encode()) for m in c if m["role"] == "assistant")
             for c, bad in zip(batch["messages"], why, strict=True)
         ],
         "skipped": why,
@@ -378,7 +380,7 @@ def _train_tokenizer(
     what meta.json records of it."""
     batches = train.iter(batch_size=MAP_BATCH_SIZE)
     texts = (
-        (m["content"] for b in batches for c in b["messages"] for m in c if not problem(c))
+        (text_of(m["content"]) for b in batches for c in b["messages"] for m in c if not problem(c))
         if cfg.get("chat")
         else (t for b in batches for t in b["text"])
     )

@@ -21,7 +21,7 @@ import torch
 from base.errors import ConfigError, check, non_negative_int, positive_int, user_errors
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
-from data.chat import IM_END, bad_message, prompt_within
+from data.chat import IM_END, bad_message, prompt_within, text_of
 from hardware.device import decoding_dtype, resolve_device
 from inference import attention_plot
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
@@ -105,7 +105,7 @@ def read_messages(value: Any) -> list[dict[str, str]] | None:
     for i, message in enumerate(value):
         if why := bad_message(dict(message) if isinstance(message, Mapping) else message):
             raise ConfigError(f"messages[{i}] is {why}: each is {{role: ..., content: ...}}")
-    return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    return [{"role": str(m["role"]), "content": text_of(m["content"])} for m in value]
 
 
 def reply(

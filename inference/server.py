@@ -51,7 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import ConfigError, check, is_int, positive, user_errors
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
-from data.chat import IM_END, IM_START, generation_prompt, render
+from data.chat import IM_END, IM_START, generation_prompt, render, text_of
 from hardware.device import decoding_dtype, resolve_device
 from inference.attention_plot import formula_view, token_labels
 from inference.batching import Batcher, Job
@@ -130,16 +130,8 @@ class Message(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def text_parts(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            if not all(
-                isinstance(part, dict)
-                and part.keys() == {"type", "text"}
-                and part["type"] == "text"
-                and isinstance(part["text"], str)
-                for part in content
-            ):
-                raise ValueError('only text is supported: parts {"type": "text", "text": "..."}')
-            content = "".join(part["text"] for part in content)
+        if isinstance(content := text_of(content), list):  # data/chat.py's, as chat files'
+            raise ValueError('only text is supported: parts {"type": "text", "text": "..."}')
         return content
 
 

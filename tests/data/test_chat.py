@@ -156,15 +156,19 @@ def test_bad_conversations_are_skipped_and_counted(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
         {"messages": "a string"},  # stopped the preparation; now skipped as the two above are
     ]
-    train = write_jsonl(tmp_path / "train.jsonl", [good, *bad, good])
+    # OpenAI's newer content, text parts, as the server takes it (issue 55: it was skipped)
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CONVERSATION]
+    enc = chat_tokenizer(get_tokenizer("gpt2"))
+    assert render(parts, enc, False) == render(CONVERSATION, enc, False)  # the same tokens
+    train = write_jsonl(tmp_path / "train.jsonl", [good, *bad, good, {"messages": parts}])
     proc = prepare(tmp_path, train, write_jsonl(tmp_path / "val.jsonl", [good]))
     assert proc.returncode == 0, proc.stderr
     assert (
-        "chat/train: 7 conversations skipped: 2 with a message without a string content, "
-        "1 with a role other than system, user, assistant, 1 with an empty content, "
-        "1 with messages that are not a list, 2 with no assistant turn"
+        "chat/train: 7 conversations skipped: 1 with a message without a string content (or "
+        "text parts), 1 with a role other than system, user, assistant, 1 with an empty "
+        "content, 1 with messages that are not a list, 3 with no assistant turn"
     ) in proc.stdout
-    assert json.loads(proc.stdout.splitlines()[-1])["train"]["documents"] == 2
+    assert json.loads(proc.stdout.splitlines()[-1])["train"]["documents"] == 3
 
 
 def test_a_log_gets_no_map_progress_bar(tmp_path: Path) -> None:
