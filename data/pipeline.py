@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -437,10 +438,16 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     except (OSError, InvalidCache) as e:  # OSError: never (fully) prepared, or unreadable
         if isinstance(e, InvalidCache):  # said even when not verbose: the rebuild takes time
             print(f"{name}: {e}; rebuilding the prepared data from its sources", file=sys.stderr)
-        if (reason := writable_error(out.parent)) is not None:
-            raise DataError(
-                f"cannot write the prepared data to {out.parent}: {reason}; set data.cache_dir "
-                "(or $CAUSALGPT_CACHE) to a writable directory"
-            ) from None
-        meta = _build(cfg, out, fp, source_fp, verbose)
+        made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
+        try:
+            if (reason := writable_error(out.parent)) is not None:
+                raise DataError(
+                    f"cannot write the prepared data to {out.parent}: {reason}; set "
+                    "data.cache_dir (or $CAUSALGPT_CACHE) to a writable directory"
+                ) from None
+            meta = _build(cfg, out, fp, source_fp, verbose)
+        except BaseException:  # a failed first preparation leaves no empty folder behind
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
     return PreparedData(out, meta, meta["tokenizer"], meta["vocab_size"])
