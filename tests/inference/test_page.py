@@ -198,6 +198,16 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     assert browser.execute_script("return formula.ids") == ids
     masked = "#steps [data-step=masked] .cell.masked"
     assert len(browser.find_elements(By.CSS_SELECTOR, masked)) == T * (T - 1) // 2
+    # a second turn: the formula view follows the conversation (issue 55 item 4: it stayed on
+    # the first), over the attention view's new tokens
+    browser.find_element(By.ID, "message").send_keys(MESSAGES[1]["content"])
+    dom = browser.execute_script
+    dom("$('formula').dataset.state = ''; $('chat_status').dataset.state = ''")
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda b: status.get_attribute("data-state") in ("done", "failed"))
+    wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
+    longer = dom("return view.ids")
+    assert len(longer) > len(ids) and dom("return formula.ids") == longer
 
 
 def test_a_long_conversation_in_the_page_leaves_out_its_oldest_turns_and_says_so(
