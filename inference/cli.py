@@ -203,7 +203,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
-    cfg = {**cfg, **plots}  # .get: keys newer than a caller's dict
+    cfg = {**cfg, **plots}  # the figures' paths as given, or their default names
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or cfg["attention_plot"] or cfg.get("formula")):

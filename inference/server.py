@@ -30,6 +30,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -50,6 +51,7 @@ from tiktoken import Encoding
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from base.errors import ConfigError, check, is_int, positive, user_errors
+from base.files import read_utf8
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from data.chat import IM_END, IM_START, generation_prompt, render, text_of
 from hardware.device import decoding_dtype, resolve_device
@@ -62,6 +64,7 @@ from model.inspection import attention_probs
 PAGE = Path(__file__).with_name("page.html")
 KEY_VARIABLE = "CAUSALGPT_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
 
 
 class ApiError(Exception):
@@ -238,7 +241,7 @@ class Server:
             raise ApiError(408, why, Connection="close") from None
         try:  # UTF-8 only (json.loads would also take UTF-16 and UTF-32 bytes), strictly: a
             # surrogate encoded into the bytes is no UTF-8
-            fields = json.loads(body.decode("utf-8"))
+            fields = json.loads(text := body.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ApiError(400, f"the body is not UTF-8: {str(e)[:80]}") from None
         except (ValueError, RecursionError) as e:  # RecursionError: [[[[...
@@ -250,17 +253,18 @@ class Server:
             # each message is a token at least
             message = f"{len(messages)} messages, over the {most} tokens of a prompt: send fewer"
             raise ApiError(400, message, "messages")
-        for name, value in fields.items():  # an escape of half a UTF-16 pair: not Unicode
-            try:
-                json.dumps({name: value}, ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                named = name.encode(errors="backslashreplace").decode()  # the answer is UTF-8
-                raise ApiError(
-                    400,
-                    f"{named} has a lone surrogate (a \\uD800-\\uDFFF escape without its pair), "
-                    "which is no Unicode character: send valid Unicode",
-                    named,
-                ) from None
+        if SURROGATE.search(text):  # an escape of half a UTF-16 pair: not Unicode
+            for name, value in fields.items():
+                try:
+                    json.dumps({name: value}, ensure_ascii=False).encode()
+                except UnicodeEncodeError:
+                    named = name.encode(errors="backslashreplace").decode()  # the answer is UTF-8
+                    raise ApiError(
+                        400,
+                        f"{named} has a lone surrogate (a \\uD800-\\uDFFF escape without its "
+                        "pair), which is no Unicode character: send valid Unicode",
+                        named,
+                    ) from None
         try:
             return kind.model_validate(fields)
         except ValidationError as e:
@@ -588,7 +592,6 @@ class Server:
         c = self.model.config
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
-        shape["views_dtype"] = "float32"  # the page's views compute in float32 (Server.viewed)
         counts = {**self.batcher.counts(), "views": self.viewing}
         chat = self.end is not None
         return {"model": self.name, **shape, "chat": chat, "limits": self.limits, **counts}
@@ -725,13 +728,8 @@ def limits(cfg: Mapping[str, Any]) -> dict:
     values["body_timeout_s"] = positive("body_timeout_s", cfg["body_timeout_s"])
     for n in ("max_prompt_tokens", "page_tokens"):  # null: set by the model's block_size
         values[n] = check(n, cfg[n], cfg[n] is None or is_int(cfg[n], 1), "an integer >= 1 or null")
-    most = values["max_connections"]
-    check(
-        "max_connections_per_client",
-        values["max_connections_per_client"],
-        values["max_connections_per_client"] <= most,
-        f"at most max_connections ({most})",
-    )
+    per, most = values["max_connections_per_client"], values["max_connections"]
+    check("max_connections_per_client", per, per <= most, f"at most max_connections ({most})")
     return {**values, "api_keys": api_keys(cfg)}
 
 
@@ -742,13 +740,7 @@ def api_keys(cfg: Mapping[str, Any]) -> list[str]:
     if keys is not None and path is not None:
         raise ConfigError("api_key and api_key_file are both set: give one")
     if path is not None:
-        try:
-            lines = Path(str(path)).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(
-                f"api_key_file={path} cannot be read ({e.__class__.__name__}): give a UTF-8 "
-                "file of keys, one per line"
-            ) from None
+        lines = read_utf8(Path(str(path)).expanduser(), "api_key_file").splitlines()
         keys = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
         check("api_key_file", path, len(keys) > 0, "a file with at least one key")
     keys = keys or os.environ.get(KEY_VARIABLE) or []
