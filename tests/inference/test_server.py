@@ -849,3 +849,16 @@ def test_an_innocent_client_is_answered_while_a_hog_decodes(serve_in_process):
     assert answer.status == 200 and json.loads(answer.read())["usage"]["completion_tokens"] == 16
     assert len(hog_jobs) == 4 and all(len(job.tokens) < 300 for job in hog_jobs)
     assert hog.getresponse().status == 200  # and the hog is answered in full after it
+
+
+def test_an_api_key_file_gives_one_key_per_client(start_server, tmp_path):
+    """api_key_file: one key a line, blank lines and # comments skipped; each key is let in,
+    any other refused."""
+    keys = tmp_path / "keys"
+    keys.write_text("# one key per client\nalpha\n\nbeta\n", encoding="utf-8")
+    url, _ = start_server(f"api_key_file={keys}")
+    for key, status in (("alpha", 200), ("beta", 200), ("# one key per client", 401), ("", 401)):
+        assert (
+            request(url, "GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})[0]
+            == status
+        )
