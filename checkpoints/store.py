@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from base.errors import ConfigError, UserError
 from base.files import recover_swap, sha256_file, verify_files, writable_error, write_dir_atomic
 from data.chat import TEMPLATE, chat_tokenizer
-from data.tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_fingerprint
+from data.tokenizer import TOKENIZER_FILE, load_tokenizer, parse_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
 if TYPE_CHECKING:  # a type only: reading a checkpoint does not load the data pipeline
@@ -154,6 +154,11 @@ class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or corrupt; the message says which file and why."""
 
 
+def tokenizer_name(run_config: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The data.tokenizer a checkpoint's model was trained with, from its config.json."""
+    return meta.get("tokenizer") or (run_config.get("data") or {}).get("tokenizer") or "gpt2"
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -165,8 +170,7 @@ class Checkpoint:
     @property
     def tokenizer_name(self) -> str:
         """The data.tokenizer the model was trained with."""
-        data = self.run_config.get("data") or {}
-        return self.meta.get("tokenizer") or data.get("tokenizer") or "gpt2"
+        return tokenizer_name(self.run_config, self.meta)
 
     @property
     def chat_template(self) -> str | None:
@@ -522,11 +526,29 @@ def load_source(
         if hub:  # the name, not the hub cache's directory
             ckpt.meta["source"] = name
         return ckpt
+    return load_checkpoint(_source_checkpoint(path), device, **overrides)
+
+
+def _source_checkpoint(path: Path) -> Path:
     try:
-        path = resolve_checkpoint(path)
+        return resolve_checkpoint(path)
     except CheckpointError as e:
         raise CheckpointError(f"{e}; a model source is {ACCEPTED}") from None
-    return load_checkpoint(path, device, **overrides)
+
+
+def source_tokenizer(source: str | Path) -> dict[str, str | None]:
+    """The data keys that tokenize text as `source`'s own training text was, read from its
+    config alone (nothing loaded): data.tokenizer, and for a trained one (bpe-<N>)
+    data.tokenizer_dir, the checkpoint holding its tokenizer.json. A Hugging Face model is
+    GPT-2's. What a run with train.init_from and evaluate.py's data=/dataset= tokenize with."""
+    path = Path(source).expanduser()
+    if (str(source) in GPT2_NAMES and not path.exists()) or is_hf_dir(path):
+        return {"tokenizer": "gpt2", "tokenizer_dir": None}
+    path = _source_checkpoint(path)
+    config = read_config(path)
+    name = tokenizer_name(config["run"], config["meta"])
+    trained = parse_tokenizer(name) is not None
+    return {"tokenizer": name, "tokenizer_dir": str(path.absolute()) if trained else None}
 
 
 # ----- train.init_from: a source's model for a new run -------------------------------------------
@@ -548,9 +570,9 @@ def pretrained_model(source: str, requested: dict[str, Any], data: PreparedData)
     theirs = ckpt.model.config
     if not ckpt.same_tokenizer(data):
         name = ckpt.tokenizer_name
-        hint = f", which was trained with {name}: set data.tokenizer={name}"
+        hint = f", which was trained with {name}: drop data.tokenizer (the source's is the default)"
         if data.tokenizer_name == name:
-            hint = " (the same name, trained on other text: use the source's data)"
+            hint = " (the same name, trained on other text): drop data.tokenizer_dir"
         raise ConfigError(
             f"data.tokenizer={data.tokenizer_name} does not match the vocabulary of "
             f"train.init_from={source}{hint}"

@@ -55,6 +55,7 @@ from data.tokenizer import (
     load_tokenizer,
     parse_tokenizer,
     token_dtype,
+    tokenizer_fingerprint,
     train_bpe,
 )
 
@@ -317,6 +318,25 @@ class PreparedData:
         return np.memmap(self.dir / f"{split}.mask.bin", dtype=np.uint8, mode="r", shape=(n,))
 
 
+def tokenizer_key(cfg: dict[str, Any]) -> str:
+    """What the fingerprint records of data.tokenizer: with data.tokenizer_dir, the sha256 of the
+    trained tokenizer copied from there (changed text there means new token files)."""
+    tokenizer, given = cfg["tokenizer"], cfg.get("tokenizer_dir")
+    if given is None:
+        return cache_key(tokenizer)
+    if parse_tokenizer(tokenizer) is None:
+        raise DataError(
+            f"data.tokenizer_dir={given} names where a trained tokenizer (bpe-<N>) is read "
+            f"from; data.tokenizer={tokenizer} is built in: drop data.tokenizer_dir"
+        )
+    if not (Path(given) / TOKENIZER_FILE).is_file():
+        raise DataError(
+            f"data.tokenizer_dir={given} holds no {TOKENIZER_FILE}: give the checkpoint (or "
+            f"prepared data directory) of a model trained with data.tokenizer={tokenizer}"
+        )
+    return f"{cache_key(tokenizer)}:{tokenizer_fingerprint(tokenizer, given)}"
+
+
 def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bool) -> dict:
     tokenizer, chat = cfg["tokenizer"], cfg.get("chat")
     if chat not in (None, TEMPLATE):
@@ -326,7 +346,11 @@ def _build(cfg: dict[str, Any], out: Path, fp: str, source_fp: dict, verbose: bo
     docs = get_source(cfg).load(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)  # invalidate before replacing any token file
-    trained = _train_tokenizer(cfg, docs["train"], out, vocab_size, verbose) if vocab_size else {}
+    trained = {}
+    if vocab_size:
+        trained = _copy_tokenizer(cfg, out, verbose) or _train_tokenizer(
+            cfg, docs["train"], out, vocab_size, verbose
+        )
     enc = data_tokenizer(tokenizer, out, bool(chat))
     splits = {}
     for split in ("train", "val"):
@@ -386,19 +410,33 @@ def _train_tokenizer(
         else (t for b in batches for t in b["text"])
     )
     bpe, stats = train_bpe(texts, vocab_size)
-    path = out / TOKENIZER_FILE
-    write_atomic(path, bpe.to_json())
+    write_atomic(out / TOKENIZER_FILE, bpe.to_json())
     if verbose:
         print(
             f"{cfg['name']}: trained {bpe.name} on the train split ({stats.bytes / 1e6:.2f} "
             f"MB, {stats.unique_chunks:,} distinct chunks of {stats.chunks:,}) in "
             f"{stats.seconds:.2f}s"
         )
-    file = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    return {
-        "tokenizer_file": file,
-        "tokenizer_training": {**asdict(stats), "seconds": round(stats.seconds, 3)},
-    }
+    training = {**asdict(stats), "seconds": round(stats.seconds, 3)}
+    return {"tokenizer_file": _file_entry(out), "tokenizer_training": training}
+
+
+def _copy_tokenizer(cfg: dict[str, Any], out: Path, verbose: bool) -> dict[str, Any]:
+    """data.tokenizer_dir's trained tokenizer (a checkpoint's: a model's own), copied into out/
+    instead of training one; what meta.json records of it ({} without data.tokenizer_dir)."""
+    if (given := cfg.get("tokenizer_dir")) is None:
+        return {}
+    source = Path(given) / TOKENIZER_FILE
+    load_tokenizer(cfg["tokenizer"], given)  # a valid file of that name, or a DataError
+    write_atomic(out / TOKENIZER_FILE, source.read_bytes())
+    if verbose:
+        print(f"{cfg['name']}: {cfg['tokenizer']} from {source} (data.tokenizer_dir), not trained")
+    return {"tokenizer_file": _file_entry(out), "tokenizer_source": str(source)}
+
+
+def _file_entry(out: Path) -> dict[str, Any]:
+    path = out / TOKENIZER_FILE
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _skipped(stats: dict[str, Any]) -> str:
@@ -426,7 +464,7 @@ def prepare_data(cfg: Mapping[str, Any] | DictConfig, *, verbose: bool = True) -
     source_fp = get_source(cfg).identity(cfg)
     if cfg.get("chat"):  # text data keeps the fingerprint it always had
         source_fp |= {key: cfg.get(key) for key in ("chat", "messages_field", "seed")}
-    fp = fingerprint(cache_key(tokenizer), source_fp)
+    fp = fingerprint(tokenizer_key(cfg), source_fp)
     name, start = cfg["name"], time.perf_counter()
     out = cache_root(cfg) / name / f"{tokenizer}-{fp[:12]}"
     announce = (lambda line: print(f"{name}: {line}", flush=True)) if verbose else None

@@ -143,12 +143,13 @@ def expand_files(patterns: str | list[str] | None, key: str) -> list[Path]:
 
 
 def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The data section `cfg` with the text source's files and the cache directory absolute
-    (globs kept), as seen from the directory a run starts in: the run's saved config is resumed,
-    sampled and evaluated from anywhere. (A hub source's data_files may be the hub's own.)"""
+    """The data section `cfg` with the text source's files, the cache and tokenizer directories
+    absolute (globs kept), as seen from the directory a run starts in: the run's saved config is
+    resumed, sampled and evaluated from anywhere. (A hub source's data_files may be the hub's.)"""
     cfg = dict(cfg)
     text = cfg.get("source") in ("text", "chat_files")
-    for key in ("cache_dir", "train_files", "val_files") if text else ("cache_dir",):
+    local = ("cache_dir", "tokenizer_dir")
+    for key in (*local, "train_files", "val_files") if text else local:
         value = cfg.get(key)
         if isinstance(value, str):
             cfg[key] = str(Path(value).expanduser().absolute())

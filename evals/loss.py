@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from base.errors import ConfigError, DataError, check, is_int, positive_int
 from base.files import read_utf8
-from checkpoints.store import add_template_tokens, find_checkpoint, load_source
+from checkpoints.store import add_template_tokens, find_checkpoint, load_source, source_tokenizer
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
@@ -214,6 +214,8 @@ def evaluate_checkpoint(
         mask = None
     else:
         named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
+        if named:  # tokenized as the model's own text was, whatever the dataset's default
+            named = {**named, **source_tokenizer(ckpt.path)}
         data_cfg = named or ckpt.run_config.get("data")
         if data_cfg is None:
             raise DataError(
@@ -228,7 +230,10 @@ def evaluate_checkpoint(
             why = f"with {name}, the checkpoint {ckpt.path} with {theirs}"
             if name == theirs:
                 why = f"with another {name} than the checkpoint {ckpt.path} (its text changed)"
-            raise DataError(f"{data.dir} is tokenized {why}; evaluate with text_file=<path>")
+            raise DataError(
+                f"{data.dir} is tokenized {why}; evaluate with data=<name> or dataset=<name> "
+                "(tokenized with the checkpoint's own) or text_file=<path>"
+            )
         add_template_tokens(ckpt, data)  # a base model scored on conversations
         tokens, mask = data.tokens("val"), data.mask("val")
         source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]

@@ -42,7 +42,7 @@ from base.errors import (
     yaml_config,
 )
 from base.files import writable_error, write_atomic
-from checkpoints.store import RUNTIME_KEYS, read_config, resume_source
+from checkpoints.store import RUNTIME_KEYS, read_config, resume_source, source_tokenizer
 from data.sources import absolute_paths
 from hardware.device import device_name, dtype_name
 from model import GPTConfig
@@ -289,14 +289,15 @@ def run_config(
     was started, whatever overrides that took."""
     composed = _resolved(cfg)
     composed["data"] = absolute_paths(composed["data"])  # the saved config works from anywhere
-    train = composed["train"]
-    if train.get("init_from") is not None and train.get("resume") is None:  # the source fixes
-        default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
-        composed["model"] = requested_model(composed["model"], default_model, overrides)
     settings = _validated(composed)  # a bad value is named as typed, before any comparison
-    resume = train.get("resume")
+    resume, source = composed["train"].get("resume"), composed["train"].get("init_from")
     saved = saved_config(resume, run_dir) if resume is not None else None
     if saved is None:
+        if source is not None:  # the source fixes the architecture and the tokenizer
+            default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
+            composed["model"] = requested_model(composed["model"], default_model, overrides)
+            composed["data"] = source_data(composed["data"], source, overrides)
+            settings = dataclasses.replace(settings, model=composed["model"], data=composed["data"])
         return settings, composed
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
     defaults = _resolved(compose(config_name=CONFIG_NAME))
@@ -316,6 +317,20 @@ def requested_model(
     named = {o.key_or_group[6:] for o in parsed if o.key_or_group.startswith("model.")}
     keep = {*RUNTIME_KEYS, *named}
     return {k: v for k, v in model.items() if k in keep or default_model.get(k, _UNSET) != v}
+
+
+def source_data(data: dict[str, Any], source: str, overrides: list[str]) -> dict[str, Any]:
+    """The data section tokenized as train.init_from's own text was (its tokenizer, a trained
+    one read from its checkpoint: checkpoints/store.py), unless this command names
+    data.tokenizer_dir or another data.tokenizer (which `pretrained_model` then refuses)."""
+    named = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
+    theirs = source_tokenizer(source)
+    if (
+        "data.tokenizer_dir" in named
+        or named.get("data.tokenizer", theirs["tokenizer"]) != (theirs["tokenizer"])
+    ):
+        return data
+    return {**data, **theirs}
 
 
 def _validated(resolved: dict[str, Any]) -> RunConfig:

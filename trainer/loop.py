@@ -300,6 +300,10 @@ class Trainer:
         fit is refused."""
         cfg, init_from = self.cfg, self.cfg.train.init_from
         model = pretrained_model(init_from, cfg.model, self.data) if init_from else None
+        if model is not None and self.dist.is_main:
+            where = cfg.data.get("tokenizer_dir")
+            read = f" (its tokenizer.json in {where})" if where else ""
+            print(f"tokenizer {self.data.tokenizer_name}{read}: train.init_from={init_from}'s own")
         self.causality = causality_guard(cfg, self.dist.is_main, model, self.device)
         if model is not None:
             config = model.config

@@ -104,13 +104,17 @@ def test_requested_model_keeps_what_the_run_sets():
     assert requested == {"n_head": 2, "bias": True, "dropout": 0.0}
 
 
-def test_a_requested_key_is_not_checked_against_the_default_presets_other_keys(tmp_path):
+@pytest.mark.parametrize("resume", [[], ["train.resume=auto"]])  # auto: a new run dir
+def test_a_requested_key_is_not_checked_against_the_default_presets_other_keys(
+    tmp_path, hf_gpt2_dir, resume
+):
     """model.n_embd=32 with train.init_from is checked with the source's n_head (by
     pretrained_model), not with GPTConfig's default of 12."""
-    overrides = ["train.init_from=/some/run", "model.n_embd=32"]
+    overrides = [f"train.init_from={hf_gpt2_dir}", "model.n_embd=32", *resume]
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
         cfg = compose("train", overrides=overrides)
-        assert run_config(cfg, tmp_path, overrides)[1]["model"]["n_embd"] == 32
+        model = run_config(cfg, tmp_path, overrides)[1]["model"]
+        assert model["n_embd"] == 32 and "n_layer" not in model  # the preset's: no request
 
 
 def test_finetune_shakespeare_composes_and_builds(tmp_path, hf_gpt2_dir, shakespeare_cache):

@@ -13,12 +13,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from base.errors import DataError
+from base.errors import ConfigError, DataError
 from checkpoints.store import MANIFEST_FILE, CheckpointError, load_checkpoint, resolve_checkpoint
 from data.tokenizer import BPE, TOKENIZER_FILE
 from evals.loss import evaluate_checkpoint
 from inference.cli import run as sample
-from tests.conftest import CONFIGS, PLAYS, make_trainer
+from tests.conftest import CONFIGS, PLAYS, TINY, make_trainer
+from trainer.config import run_config
+from trainer.loop import Trainer
 
 
 def data_overrides(root: Path) -> list[str]:
@@ -160,3 +162,62 @@ def test_evaluating_on_retrained_data_is_refused(run: dict) -> None:
             evaluate(run["run_dir"])
     finally:
         train.write_text(original)
+
+
+def chat_run_config(run: dict, run_dir: Path, chat_corpus: list[str], *overrides: str):
+    """run_config of `train.py experiment=chat_sft train.init_from=<the bpe-300 run> <chat>`."""
+    args = [*TINY, "experiment=chat_sft", f"train.init_from={run['run_dir']}", *chat_corpus]
+    args += ["model.block_size=32", "train.max_steps=2", "wandb.mode=disabled", *overrides]
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        return run_config(compose("train", overrides=args), run_dir, args)
+
+
+@pytest.mark.parametrize("named", [[], ["data.tokenizer=bpe-300"]])
+def test_a_chat_fine_tune_reuses_its_base_models_trained_tokenizer(
+    run: dict, tmp_path: Path, chat_corpus: list[str], named: list[str], capsys
+) -> None:
+    """With nothing said (data=chat defaults to gpt2) or the source's own name (which once
+    trained a new bpe-300 on the conversations), the conversations are tokenized with the
+    checkpoint's tokenizer.json, copied, not trained; the run says so; it trains and evaluates."""
+    cache = f"data.cache_dir={tmp_path / 'cache'}"  # prepared here, not reused
+    settings, resolved = chat_run_config(run, tmp_path / "run", chat_corpus, cache, *named)
+    source = resolve_checkpoint(run["run_dir"])
+    assert resolved["data"]["tokenizer_dir"] == str(source)
+    trainer = Trainer(settings, tmp_path / "run", resolved)
+    data = trainer.data
+    assert (data.tokenizer_name, data.vocab_size) == ("bpe-300", 302)  # + the template's two
+    assert data.tokenizer_file.read_bytes() == (source / TOKENIZER_FILE).read_bytes()
+    assert "tokenizer_training" not in data.meta
+    out = capsys.readouterr().out
+    assert f"bpe-300 from {source / TOKENIZER_FILE} (data.tokenizer_dir), not trained" in out
+    assert f"tokenizer bpe-300 (its tokenizer.json in {source}): train.init_from=" in out
+    summary = trainer.run()
+    assert load_checkpoint(summary["checkpoint"]).tokenizer().n_vocab == 302
+    # the "before" score: the base model on the conversations, tokenized with its own tokenizer
+    chat = [o for o in chat_corpus if o != "data=chat"] + [cache]
+    before = evaluate_checkpoint(config("evaluate", f"checkpoint={run['run_dir']}", "data=chat",
+                                        *chat, "device=cpu", "dtype=float32"))  # fmt: skip
+    after = evaluate_checkpoint(config("evaluate", f"checkpoint={summary['checkpoint']}",
+                                       "device=cpu", "dtype=float32"))  # fmt: skip
+    assert before["tokens"] == after["tokens"] == summary["val_tokens"] > 0
+    assert math.isfinite(before["loss"]) and after["loss"] == pytest.approx(
+        summary["val_loss"], abs=2e-4
+    )
+
+
+def test_a_chat_fine_tune_naming_another_tokenizer_is_refused(
+    run: dict, tmp_path: Path, chat_corpus: list[str]
+) -> None:
+    settings, resolved = chat_run_config(run, tmp_path / "run", chat_corpus, "data.tokenizer=bytes")
+    assert resolved["data"]["tokenizer_dir"] is None
+    with pytest.raises(ConfigError, match="^data.tokenizer=bytes does not match .* drop data.tok"):
+        Trainer(settings, tmp_path / "run", resolved)
+
+
+def test_a_tokenizer_dir_without_a_trained_tokenizer_is_named(run: dict, tmp_path: Path) -> None:
+    data = [*data_overrides(tmp_path / "data"), f"data.tokenizer_dir={tmp_path}"]
+    with pytest.raises(DataError, match=f"^data.tokenizer_dir={tmp_path} holds no tokenizer.json"):
+        make_trainer(tmp_path / "run", data)
+    data[-2:] = ["data.tokenizer=gpt2", f"data.tokenizer_dir={run['run_dir']}"]
+    with pytest.raises(DataError, match="data.tokenizer=gpt2 is built in: drop data.tokenizer_dir"):
+        make_trainer(tmp_path / "run", data)
