@@ -207,36 +207,85 @@ def row_lines(view: dict, labels: Sequence[str]) -> list[str]:
 
 
 def plot_formula(view: dict, labels: Sequence[str], path: str | Path) -> Figure:
-    """Write one head's steps (formula_view's) left to right as the formula reads, each with
-    its own colour scale, tokens on the axes; the masked triangle hatched (-inf, not a small
-    number), and S's above the diagonal too (exactly 0, by the mask)."""
+    """Write every step of one head's formula (formula_view's) in rows that read as the formula:
+    X to Q, K, V (and each option's Q and K); Q K^T, / sqrt(d_k), the mask, S; S V = Y, every
+    head's Y side by side (the concatenation) and the output through W_O; then the chosen
+    query's row (its weights as bars, its computation as text) and the sqrt(d_k) panel. Each
+    matrix has its own colour scale and tokens on the axes (every k-th past MAX_TICKS), the
+    chosen row outlined; the masked triangle is hatched (-inf, not a small number), and S's too
+    (exactly 0, by the mask). The figure grows with the text: 128 tokens stay legible."""
     from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
-    steps = view["steps"]
-    names = [n for n in ("Q", "K", "Q_norm", "K_norm", "Q_rope", "K_rope") if n in steps]
-    names += ["QK", "scaled", "masked", "S", "V", "Y"]
-    titles = dict(QK="Q K^T", scaled=f"/ sqrt({view['d_k']})", masked="mask: -inf above")
-    titles |= dict(S="S = softmax", Y="Y = S V")
+    steps, h, d_k, i = view["steps"], view["head"], view["d_k"], view["row"]["i"]
+    inputs = [n for n in ("X", "Q", "K", "V", "Q_norm", "K_norm", "Q_rope", "K_rope") if n in steps]
+    rows = [inputs, ["QK", "scaled", "masked", "S"], ["Y", "heads", "out"]]
+    titles = dict(X="X (the layer's input, normed)", Q="Q = X W_Q", K="K = X W_K", V="V = X W_V")
+    titles |= dict(Q_norm="qk_norm: Q", K_norm="qk_norm: K", Q_rope="rope: Q", K_rope="rope: K")
+    titles |= dict(QK="Q K^T", scaled=f"/ sqrt({d_k})", masked="mask: -inf above", S="S = softmax")
+    titles |= dict(Y="Y = S V", heads="heads side by side: [Y_0 ... Y_H-1]", out="Y W_O^T: output")
     T = len(labels)
+    side = max(3.0, 6.0 * T / 128)  # inches per square step: 128 tokens get 6
+    width = len(inputs) * side
+    fig = Figure(figsize=(width, 3 * side + 4.5), layout="constrained")
+    grid = fig.add_gridspec(4, 1, height_ratios=[side, side, side, 4])
     ticks = list(range(0, T, math.ceil(T / MAX_TICKS)))
-    fig = Figure(figsize=(3.2 * len(names), 4.2), layout="constrained")
-    for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names, strict=True):
-        values = np.array(steps[name], dtype=float)  # None (masked) -> nan: drawn transparent
-        if name in ("masked", "S"):
-            values[np.triu(np.ones((T, T), dtype=bool), k=1)] = np.nan
-            _hatch(ax, T)
-        image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto", zorder=1)
-        fig.colorbar(image, ax=ax, location="bottom", shrink=0.8)  # its range, in its units
-        ax.set_title(titles.get(name, f"{name}_{view['head']}"), fontsize=10)
-        ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=7)
-        if name in ("QK", "scaled", "masked", "S"):  # keys across, as queries down
-            ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90, fontsize=7)
-        else:
-            ax.set_xticks([])
-        ax.tick_params(length=0)
+    ticks += [i] if i not in ticks else []
+    for r, names in enumerate(rows):
+        axes = grid[r].subgridspec(1, len(inputs)).subplots()
+        for k, ax in enumerate(np.atleast_1d(axes)):
+            if k >= len(names):
+                ax.set_axis_off()
+                continue
+            name = names[k]
+            values = np.array(steps[name], dtype=float)  # None (masked) -> nan: transparent
+            if name in ("masked", "S"):
+                values[np.triu(np.ones((T, T), dtype=bool), k=1)] = np.nan
+                _hatch(ax, T)
+            image = ax.imshow(values, cmap="viridis", interpolation="nearest", aspect="auto")
+            image.set_zorder(1)
+            fig.colorbar(image, ax=ax, location="bottom", shrink=0.8)  # its range, in its units
+            shape = f" ({values.shape[0]} x {values.shape[1]})"
+            ax.set_title(titles[name] + ("" if name in rows[1] else shape), fontsize=10)
+            ax.set_yticks(ticks, [labels[t] for t in ticks], fontsize=7)
+            if name in rows[1]:  # keys across, as queries down
+                ax.set_xticks(ticks, [labels[t] for t in ticks], rotation=90, fontsize=7)
+            else:
+                ax.set_xticks([])
+            ax.tick_params(length=0)
+            columns = values.shape[1]
+            ax.add_patch(
+                Rectangle((-0.5, i - 0.5), columns, 1, fill=False, ec="red", lw=1.2, zorder=2)
+            )
+            if name == "heads":  # each head's columns; the chosen one's band outlined
+                for c in range(d_k, columns, d_k):
+                    ax.axvline(c - 0.5, color="white", lw=1, zorder=2)
+                band = Rectangle((h * d_k - 0.5, -0.5), d_k, T, fill=False, ec="red", lw=1.5)
+                ax.add_patch(band).set_zorder(2)
+    bars, text = grid[3].subgridspec(1, 2, width_ratios=[1, 1.6]).subplots()
+    row = view["row"]
+    bars.bar(range(i + 1), row["weights"], color="#2c7fb8")
+    bars.set_title(f"S[{i}, j]: query {i} ({labels[i]!r}) over the keys it sees", fontsize=10)
+    keys = [t for t in ticks if t <= i]
+    bars.set_xticks(keys, [labels[t] for t in keys], rotation=90, fontsize=7)
+    bars.set_xlim(-0.5, max(i, 1) + 0.5)
+    text.set_axis_off()
+    text.text(0, 1, "\n".join(_wrapped(row_lines(view, labels))), va="top", family="monospace",
+              fontsize=8, transform=text.transAxes)  # fmt: skip
     fig.suptitle(
-        f"layer {view['layer']}, head {view['head']}: S = softmax(mask(Q K^T / sqrt(d_k))), Y = S V"
+        f"layer {view['layer']}, head {h}: S = softmax(mask(Q K^T / sqrt(d_k))), Y = S V, "
+        "out = [Y_0 ... Y_H-1] W_O^T"
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, facecolor="white")
     return fig
+
+
+def _wrapped(lines: list[str], width: int = 110, most: int = 24) -> list[str]:
+    """The row's text lines for the figure: long ones wrapped, at most `most` lines in all."""
+    import textwrap
+
+    out = [part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="  ")]
+    return (
+        out if len(out) <= most else [*out[: most - 1], f"... ({len(out) - most + 1} more lines)"]
+    )

@@ -112,14 +112,36 @@ def test_the_formula_view_refuses_a_layer_head_or_row_out_of_range(model, key, v
         formula_view(model, torch.randint(0, 101, (1, 9)), **args)
 
 
-def test_the_formula_figure_and_the_rows_lines(model, tmp_path):
-    idx = torch.randint(0, 101, (1, 7))
-    view = formula_view(model, idx, layer=0, head=1)
-    labels = [f"t{i}" for i in range(7)]
+@pytest.mark.parametrize("T", [1, 7, 128])
+def test_the_formula_figure_draws_every_step_the_row_and_labels(tmp_path, T):
+    """Issue 55 item 7: X through W_O, the chosen row outlined in every matrix and drawn as bars
+    beside its computation; labels thinned to MAX_TICKS (and the row's); the figure grows with
+    the text (128 tokens: 6 inches a square step)."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=1, n_head=4, n_embd=32, block_size=128)).eval()
+    view = formula_view(model, torch.randint(0, 101, (1, T)), layer=0, head=1)
+    labels = [f"t{i}" for i in range(T)]
     fig = plot_formula(view, labels, tmp_path / "formula.png")
     assert (tmp_path / "formula.png").read_bytes().startswith(PNG_SIGNATURE)
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
-    assert titles[:2] == ["Q_1", "K_1"] and "mask: -inf above" in titles and titles[-1] == "Y = S V"
+    steps = ["X (the layer's input, normed)", "Q = X W_Q", "K = X W_K", "V = X W_V", "Q K^T"]
+    steps += ["/ sqrt(8)", "mask: -inf above", "S = softmax", "Y = S V", "heads side by side"]
+    steps += ["Y W_O^T: output", f"S[{T - 1}, j]: query {T - 1}"]
+    assert [t[: len(s)] for t, s in zip(titles, steps, strict=True)] == steps
+    matrices = [ax for ax in fig.axes if ax.get_images()]
+    assert len(matrices) == 11
+    for ax in matrices:  # the chosen (last) row outlined in red, its label shown
+        rows = [p.get_y() + 0.5 for p in ax.patches if p.get_edgecolor()[:3] == (1, 0, 0)]
+        assert T - 1 in rows, ax.get_title()
+        shown = [t.get_text() for t in ax.get_yticklabels()]
+        assert f"t{T - 1}" in shown and len(shown) <= 41
+    assert fig.get_size_inches()[0] == pytest.approx(4 * max(3, 6 * T / 128))
+
+
+def test_the_rows_lines(model):
+    idx = torch.randint(0, 101, (1, 7))
+    view = formula_view(model, idx, layer=0, head=1)
+    labels = [f"t{i}" for i in range(7)]
     lines = row_lines(view, labels)
     assert lines[0].startswith("layer 0, head 1, query 6 ('t6')")
     assert lines[2].startswith("/ sqrt(8)") and lines[-1].startswith("why / sqrt(d_k)")

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from checkpoints.store import save_checkpoint
+from model import GPT, GPTConfig
 from tests.inference.conftest import request
 from tests.inference.test_chat import MESSAGES, save_chat_model, serve_url
 
@@ -90,32 +93,45 @@ def test_the_page_streams_shows_causal_attention_and_causality(server, browser, 
     formula_view_shows_the_apis_numbers(browser, server, tmp_path)
 
 
+FLOW = ["X", "Q", "K", "V", "QK", "scaled", "masked", "S", "S", "V", "Y", "heads", "out"]
+# JavaScript: the colour of cell (i, j) of the first canvas of `step`, at its centre
+PIXEL = """const [step, i, j] = arguments;
+const c = document.querySelector(`#steps canvas[data-step=${step}]`);
+const [w, h] = JSON.parse(c.dataset.cell), [left, top] = JSON.parse(c.dataset.origin);
+const x = left + j * w + (w >> 1), y = top + i * h + (h >> 1);
+return [...c.getContext("2d").getImageData(x, y, 1, 1).data].slice(0, 3);"""
+CANVASES = "return [...document.querySelectorAll('#steps canvas')]"
+HATCH = ([255, 255, 255], [187, 187, 187])  # the masked triangle's two pixel colours
+
+
 def formula_view_shows_the_apis_numbers(browser, url: str, tmp_path: Path) -> None:
-    """The formula view, after the attention view: its steps laid out in the formula's order,
-    the masked triangle marked, and the numbers /api/formula gives (asked here independently)
-    read back from the DOM: a hovered cell, a chosen row's computation, the sqrt(d_k) panel."""
+    """The formula view, after the attention view: its steps in rows that read as the formula,
+    the masked triangle hatched, and the numbers /api/formula gives (asked here independently)
+    read back from the drawing and the DOM: a hovered cell, a chosen row's computation, the
+    sqrt(d_k) panel."""
     wait = WebDriverWait(browser, 120)
     dom = browser.execute_script
     browser.find_element(By.ID, "formula_show").click()
     wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
-    steps = dom("return [...document.querySelectorAll('#steps .grid')].map(g => g.dataset.step)")
-    assert steps == ["Q", "K", "QK", "scaled", "masked", "S", "V", "Y"]  # no qk_norm, no rope
+    steps = dom("return [...document.querySelectorAll('#steps canvas')].map(c => c.dataset.step)")
+    assert steps == FLOW  # no qk_norm, no rope
     body = dom(
         "return {ids: view.ids, layer: Number($('layer').value), head: Number($('head').value)}"
     )
     T = len(dom("return view.ids"))
-    masked = dom(
-        "return [...document.querySelectorAll('#steps [data-step=masked] .cell')]"
-        ".map(c => [Number(c.dataset.i), Number(c.dataset.j), c.dataset.v, c.className])"
-    )
-    assert len(masked) == T * T
-    for i, j, v, kind in masked:
-        assert (v == "-inf" and "masked" in kind) if j > i else "masked" not in kind
-    cell = browser.find_element(
-        By.CSS_SELECTOR, f"#steps [data-step=S] [data-i='{T - 1}'][data-j='0']"
-    )
-    ActionChains(browser).move_to_element(cell).perform()
     _, _, api = request(url, "POST", "/api/formula", {**body, "row": T - 1})
+    for i in range(T):
+        for j in range(T):
+            hatched = dom(PIXEL, "masked", i, j) in HATCH
+            assert hatched == (j > i) == (api["steps"]["masked"][i][j] is None), (i, j)
+    canvas = browser.find_element(By.CSS_SELECTOR, "#steps canvas[data-step=S]")
+    (w, h), (left, top) = (
+        json.loads(canvas.get_attribute("data-cell")),
+        [json.loads(canvas.get_attribute("data-origin"))[k] for k in (0, 1)],
+    )
+    size = canvas.size
+    x, y = left + w // 2 - size["width"] // 2, top + (T - 1) * h + h // 2 - size["height"] // 2
+    ActionChains(browser).move_to_element_with_offset(canvas, x, y).perform()
     hover = wait.until(lambda b: b.find_element(By.ID, "formula_hover").text)
     assert hover.startswith(f"S[{T - 1}][0] = exp(")  # "... / sum over keys 0..T-1 = <S>"
     assert float(hover.rsplit("= ", 1)[1]) == pytest.approx(api["steps"]["S"][T - 1][0], rel=1e-3)
@@ -127,12 +143,11 @@ def formula_view_shows_the_apis_numbers(browser, url: str, tmp_path: Path) -> No
         "return [...document.querySelectorAll('#row_table tr')]"
         ".map(r => [...r.children].map(c => c.textContent))"
     )
-    assert table[0][1:] == [
-        f"{j} {json.dumps(t, ensure_ascii=False)}" for j, t in enumerate(api["tokens"][:5])
+    assert [row[:2] for row in table[1:]] == [
+        [str(j), json.dumps(t, ensure_ascii=False)] for j, t in enumerate(api["tokens"][:5])
     ]
-    shown = [float(x) for x in table[4][1:]]  # S[4][j]: the softmax row
-    assert shown == pytest.approx(api["row"]["weights"], rel=1e-3)
-    assert [float(x) for x in table[1][1:]] == pytest.approx(api["row"]["dots"], rel=1e-3)
+    assert [float(row[5]) for row in table[1:]] == pytest.approx(api["row"]["weights"], rel=1e-3)
+    assert [float(row[2]) for row in table[1:]] == pytest.approx(api["row"]["dots"], rel=1e-3)
     var_raw = float(browser.find_element(By.ID, "var_raw").text)
     assert var_raw == pytest.approx(api["sqrt_dk"]["var_raw"], rel=1e-2)
     shares = dom(
@@ -196,8 +211,10 @@ def test_the_chat_panel_answers_and_draws_s_over_the_conversation(
     browser.find_element(By.ID, "formula_show").click()  # the formula over the conversation
     wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
     assert browser.execute_script("return formula.ids") == ids
-    masked = "#steps [data-step=masked] .cell.masked"
-    assert len(browser.find_elements(By.CSS_SELECTOR, masked)) == T * (T - 1) // 2
+    hatched = [
+        [browser.execute_script(PIXEL, "masked", i, j) in HATCH for j in range(T)] for i in range(T)
+    ]
+    assert hatched == [[j > i for j in range(T)] for i in range(T)]
     # a second turn: the formula view follows the conversation (issue 55 item 4: it stayed on
     # the first), over the attention view's new tokens
     browser.find_element(By.ID, "message").send_keys(MESSAGES[1]["content"])
@@ -248,3 +265,60 @@ def test_a_long_conversation_in_the_page_leaves_out_its_oldest_turns_and_says_so
     ]
     assert sent[0]["role"] == "system"  # kept, whatever was left out
     browser.save_screenshot(str(tmp_path / "chat.png"))
+
+
+@pytest.mark.parametrize("T", [1, 12, 128])
+def test_the_formula_view_draws_every_step_with_labels_and_the_apis_numbers(
+    serve_in_process, browser, tmp_path: Path, T: int
+):
+    """Issue 55 item 7: at 1, 12 and 128 tokens every step from X to the output through W_O is
+    drawn, in rows that fit the page (no sideways scroll), with token labels on the axes (thinned
+    where rows are thin, the chosen row's always there); the chosen row's S is drawn in the
+    colours of the API's numbers, and its table's numbers agree with each other and with the
+    API's to the digits shown."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, block_size=128, n_layer=1, n_head=2, n_embd=16))
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints" / "best", model, {"data": {"tokenizer": "bytes"}}, {})
+    url = serve_url(serve_in_process, run)
+    wait = WebDriverWait(browser, 120)
+    dom = browser.execute_script
+    browser.get(url)
+    wait.until(lambda b: "layers" in b.find_element(By.ID, "model").text)
+    text = ("To be, or not to be, that is the question: " * 4)[:T]
+    dom("$('prompt').value = arguments[0]", text)
+    browser.find_element(By.ID, "show").click()
+    wait.until(lambda b: b.find_element(By.ID, "attention").get_attribute("data-state") == "ready")
+    browser.find_element(By.ID, "formula_show").click()
+    wait.until(lambda b: b.find_element(By.ID, "formula").get_attribute("data-state") == "ready")
+    ids = dom("return view.ids")
+    assert len(ids) == T
+    assert dom(f"{CANVASES}.map(c => c.dataset.step)") == FLOW
+    assert dom("const s = $('steps'); return s.scrollWidth <= s.clientWidth")
+    for rows in dom(f"{CANVASES}.map(c => c.dataset.rows)"):
+        shown = json.loads(rows)
+        assert shown[0] == 0 and T - 1 in shown and len(shown) >= min(T, 20)
+    _, _, api = request(url, "POST", "/api/formula", {"ids": ids, "layer": 0, "head": 0})
+    S, i = api["steps"]["S"], T - 1
+    visible = [S[a][b] for a in range(T) for b in range(a + 1)]
+    low, high = min(visible), max(visible)
+    rgb = "return colour(arguments[0]).match(/[0-9]+/g).map(Number)"  # the page's colour scale
+    for j in range(T):  # the chosen (last) row has no masked cell
+        assert dom(PIXEL, "S", i, j) == dom(rgb, (S[i][j] - low) / ((high - low) or 1)), j
+    table = dom(
+        "return [...document.querySelectorAll('#row_table tr')]"
+        ".map(r => [...r.children].map(c => c.textContent))"
+    )
+    total = float(table[0][5].rsplit("/ ", 1)[1])
+    assert total == pytest.approx(api["row"]["sum"], rel=1e-3)
+    assert len(table) == T + 1
+    for j, (key, _, dot, scaled, exp, weight) in enumerate(table[1:]):
+        assert int(key) == j
+        assert float(scaled) == pytest.approx(float(dot) / api["d_k"] ** 0.5, rel=2e-3, abs=1e-6)
+        assert float(weight) == pytest.approx(float(exp) / total, rel=2e-3)
+        assert float(weight) == pytest.approx(api["row"]["weights"][j], rel=1e-3)
+    assert sum(float(row[5]) for row in table[1:]) == pytest.approx(1, abs=T * 5e-4)
+    sqrt_dk = browser.find_element(By.ID, "sqrt_dk").text
+    assert ("one token has one score" in sqrt_dk) == (T == 1)
+    browser.set_window_size(1200, dom("return document.body.scrollHeight") + 100)  # all of it
+    browser.find_element(By.ID, "formula").screenshot(str(tmp_path / f"formula_{T}.png"))
