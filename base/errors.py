@@ -216,6 +216,23 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
     return decorate
 
 
+def _group_choice_error() -> str | None:
+    """The command line's group choice that YAML reads as no name (model=nan is a float), as
+    the error of a name not there."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for arg in sys.argv[1:]:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        (o,) = OverridesParser.create().parse_overrides([arg])
+        group = o.key_or_group.lstrip("+~")
+        if (CONFIG_DIR / group).is_dir() and not isinstance(o.value(), (str, list)):
+            choices = ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+            value = arg.split("=", 1)[1]
+            return f"{group}={value} is not in configs/{group}/; choose one of: {choices}"
+    return None
+
+
 def describe(e: Exception) -> str:
     """One line for an error Hydra or OmegaConf raised while composing the config."""
     from hydra.errors import MissingConfigException, OverrideParseException
@@ -238,6 +255,8 @@ def describe(e: Exception) -> str:
         prefix = key.rpartition(".")[0]
         names = [f"{prefix}.{k}" if prefix else str(k) for k in sorted(known) if k != "hydra"]
         return f"unknown config key {key}; known keys: {', '.join(names)}"
+    if str(e).startswith("Config group override must be a string"):  # model=nan, model=1
+        return _group_choice_error() or str(e)
     if str(e).startswith("Could not override '"):  # a key or group this script does not have
         key, script = str(e).split("'")[1], PurePosixPath(sys.argv[0]).name
         return f"unknown config key {key}; `python {script} --help` lists the keys"

@@ -279,10 +279,17 @@ def model_card(ckpt: Checkpoint, architecture: str) -> str:
         ]
     else:
         lines.append(f"- Weights: the Hugging Face model at {meta.get('source', ckpt.path)}")
-    if meta.get("val_bpb") is not None:
+    if meta.get("final_val_bpb") is not None:  # what training's last line and evaluate.py say
+        lines.append(
+            f"- Validation: loss {meta['final_val_loss']:.4f} nats/token, "
+            f"{meta['final_val_bpb']:.4f} bits per byte (the whole validation split, "
+            f"{meta['final_val_tokens']:,} tokens)"
+        )
+    elif meta.get("val_bpb") is not None:
         lines.append(
             f"- Validation: loss {meta['val_loss']:.4f} nats/token, {meta['val_bpb']:.4f} bits "
-            "per byte (a fixed subset of the validation split, at the step above)"
+            "per byte (the train.eval_steps subset of the validation split, at the step above; "
+            "`python evaluate.py checkpoint=<this directory>` scores all of it)"
         )
     else:
         lines.append(

@@ -288,6 +288,7 @@ class Trainer:
             self.tracker.run is not None
         )
         self.last_eval: tuple[int, EvalResult] | None = None  # (step, the latest evaluation)
+        self.best_at: int | None = None  # the step of the `best` this process saved last
         # optim.warmup_steps under a time budget: warned of at the first logged step, once the
         # speed is known (see _log); nothing to warn of when no warmup lies ahead
         self.warmup_told = not train.max_seconds or self.state.step >= self.cfg.optim.warmup_steps
@@ -578,7 +579,7 @@ class Trainer:
         result = self.val_loss()
         improved = result.loss < self.state.best_val_loss
         if improved:
-            self.state.best_val_loss = result.loss
+            self.state.best_val_loss, self.best_at = result.loss, self.state.step
             self.save("best", with_trainer_state=False, val_loss=result.loss, val_bpb=result.bpb)
         spread = "" if math.isnan(result.stderr) else f" ± {result.stderr:.4f}"  # one batch: none
         self.progress.message(
@@ -639,6 +640,10 @@ class Trainer:
         final = evaluated if cfg.final_eval == "periodic" else None  # eval_steps, at this step
         if cfg.final_eval == "whole":
             final = self.val_loss(whole_split=True)
+            if self.best_at == self.state.step:  # `best` is this model: its whole-split score
+                subset = {"val_loss": evaluated.loss, "val_bpb": evaluated.bpb}  # best compares
+                whole = {"final_val_loss": final.loss, "final_val_bpb": final.bpb}
+                self.save("best", False, **subset, **whole, final_val_tokens=final.tokens)
         summary = {
             "step": self.state.step,
             "train_seconds": round(self.state.elapsed, 2),

@@ -37,6 +37,8 @@ def assert_one_error_line(result, expected: str) -> None:
             f"error: model=no_such_preset is not in configs/model/; choose one of: {PRESETS}\n",
         ),
         ("~train.nothing", "error: Could not delete from config. 'train.nothing' does not exist."),
+        ("model=nan", f"error: model=nan is not in configs/model/; choose one of: {PRESETS}\n"),
+        ("optim=1", "error: optim=1 is not in configs/optim/; choose one of: adamw, muon\n"),
     ],
 )
 def test_hydra_errors_in_train_py_are_one_line_and_leave_no_run_dir(tmp_path, override, expected):

@@ -9,10 +9,18 @@ import torch
 from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from checkpoints.hf import FIELDS, Field, Need, hf_keys
-from checkpoints.store import save_checkpoint
+from checkpoints.store import load_checkpoint, save_checkpoint
 from data.tokenizer import load_tokenizer
 from model import GPT
-from tests.conftest import RUN, TEXT, TRICKY, load_preset, save_tiny_checkpoint, tiny_config
+from tests.conftest import (
+    RUN,
+    TEXT,
+    TRICKY,
+    load_preset,
+    make_trainer,
+    save_tiny_checkpoint,
+    tiny_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,6 +179,22 @@ def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path, out):
     fmt = "gguf" if out.endswith("gguf") else "hf"
     with pytest.raises(ConfigError, match=f"cannot write out={target}: a file is in the way"):
         export_checkpoint({"checkpoint": str(path), "out": str(target), "format": fmt})
+
+
+def test_the_model_card_of_a_run_gives_the_whole_split_score_training_ended_with(tmp_path, corpus):
+    """Issue 55: the card gave the eval_steps subset's bpb (2.9341) where training's last line
+    and evaluate.py said 2.9234. A final model that is `best` records the whole split's score;
+    `best` keeps comparing by the subset's loss."""
+    trainer = make_trainer(tmp_path / "run", corpus, "train.max_steps=6")  # evaluated at 6
+    summary = trainer.run()
+    best = tmp_path / "run" / "checkpoints" / "best"
+    meta = load_checkpoint(best).meta
+    assert meta["step"] == 6 and meta["val_loss"] == trainer.state.best_val_loss
+    assert meta["final_val_bpb"] == pytest.approx(summary["val_bpb"], abs=1e-4)
+    assert meta["final_val_bpb"] != meta["val_bpb"]  # the subset's differs
+    card = (export(tmp_path, best) / "README.md").read_text()
+    whole = f"{summary['val_bpb']:.4f} bits per byte (the whole validation split, "
+    assert f"{whole}{summary['val_tokens']:,} tokens)" in card
 
 
 def test_the_model_card_states_data_steps_bpb_and_causality(tmp_path):
