@@ -25,7 +25,7 @@ FEATURES = {
     "the formula step by step: formula_steps, /api/formula, sample.py formula=, the page": [
         ("model/inspection.py", ["formula_steps"]),
         ("inference/attention_plot.py", ["formula_view", "_rounded", "row_lines"]),
-        ("inference/attention_plot.py", ["plot_formula"]),
+        ("inference/attention_plot.py", ["plot_formula", "_wrapped"]),
         ("inference/server.py", ["FormulaRequest", "Server.formula"]),
         ("inference/cli.py", ["write_formula", "FORMULA_KEYS"]),
     ],
@@ -35,7 +35,7 @@ FEATURES = {
         ("inference/batching.py", None),
         ("inference/attention_plot.py", None),
         ("inference/cli.py", ["write_attention_plot", "figure_path"]),  # attention_plot=
-        ("model/inspection.py", ["layer_inputs", "probs", "attention_probs"]),  # S of the views
+        ("model/inspection.py", ["layer_inputs", "heads", "probs", "attention_probs"]),  # views' S
     ],
     "export to transformers and GGUF": [
         ("export.py", None),
@@ -70,6 +70,14 @@ FEATURES = {
         ("data/tokenizer.py", ["TrainStats", "_merge", "train_bpe"]),
         ("data/tokenizer.py", ["_read_trained", "_trained_encoding"]),
         ("data/pipeline.py", ["_train_tokenizer"]),
+    ],
+    "a model's own tokenizer for its fine-tuning and scoring (data.tokenizer_dir)": [
+        ("checkpoints/store.py", ["_source_checkpoint", "source_tokenizer"]),
+        ("trainer/config.py", ["source_data"]),
+        ("data/pipeline.py", ["tokenizer_key", "_copy_tokenizer"]),
+    ],
+    "a group choice read as a number (model=nan) named with its choices": [
+        ("base/errors.py", ["_group_choice_error"]),
     ],
     "untrusted checkpoints: headers and shapes checked before loading": [
         ("checkpoints/store.py", ["MAX_JSON_BYTES", "FLOAT_DTYPES", "TensorInfo"]),
@@ -138,7 +146,7 @@ FEATURES = {
     "loss plot (loss.png)": [("trainer/reporting.py", ["draw", "MetricsLog.plot"])],
     "sweeps (`-m`): every job validated first, a table after": [
         ("trainer/reporting.py", ["_overrides", "_result", "sweep_table", "SweepTable"]),
-        ("trainer/config.py", ["ValidateBeforeRunDir.on_multirun_start"]),
+        ("trainer/config.py", ["RunDirGuard.on_multirun_start"]),
     ],
     "a non-finite step: stop or skip (train.on_nan)": [
         ("trainer/loop.py", ["MAX_SKIPPED_STEPS", "TrainingError", "Verdict", "step_verdict"]),

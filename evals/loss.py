@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from base.errors import ConfigError, DataError, check, is_int, positive_int
 from base.files import read_utf8
-from checkpoints.store import add_template_tokens, find_checkpoint, load_source, source_tokenizer
+from checkpoints import store
+from checkpoints.store import Checkpoint, add_template_tokens, find_checkpoint, load_source
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
@@ -184,15 +185,11 @@ def text_file_tokens(path: str, tokenizer: tiktoken.Encoding) -> tuple[np.ndarra
     return tokens, len(text.encode("utf-8")), str(file)
 
 
-def evaluate_checkpoint(
-    cfg: Mapping[str, Any], say: Callable[[str], None] = print
-) -> dict[str, Any]:
-    """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
-    split or on any UTF-8 `text_file`, or its downstream task metrics. See configs/evaluate.yaml
-    for the keys; `say` shows the plan, and each task's result as it comes."""
-    batch_size = positive_int("batch_size", cfg["batch_size"])
-    if cfg["dataset"] and cfg.get("data"):  # data=: train.py's group, its data.* keys too
-        raise ConfigError("give dataset=<name> or data=<name> (with its data.* keys), not both")
+def load_evaluated(
+    cfg: Mapping[str, Any], say: Callable[[str], None]
+) -> tuple[Checkpoint, Precision]:
+    """The model `python evaluate.py` scores (checkpoint=, null: the newest run's) on its
+    device, and the precision: a triton model without its GPU through sdpa, the same function."""
     device = resolve_device(cfg["device"])
     precision = resolve_precision(device, cfg["dtype"])
     source = find_checkpoint() if cfg["checkpoint"] is None else cfg["checkpoint"]
@@ -202,20 +199,27 @@ def evaluate_checkpoint(
         model = GPT(dataclasses.replace(ckpt.model.config, attention="sdpa")).to(device)
         model.load_state_dict(ckpt.model.state_dict())  # the weights loaded and verified once
         ckpt.model = model
-    tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
-    if "name" in (cfg["task"] or {}) or cfg["tasks"]:  # evals/tasks.py: loaded for tasks alone
-        from evals.tasks import requested_tasks, score_tasks
+    return ckpt, precision
 
-        task_cfgs = requested_tasks(cfg["task"], cfg["tasks"])
-        tasks = score_tasks(ckpt.model, tokenizer, task_cfgs, precision, say)
-        return {"checkpoint": str(ckpt.path), "tasks": tasks}
+
+def evaluate_checkpoint(
+    cfg: Mapping[str, Any], say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """`python evaluate.py`: a checkpoint's loss and bits per byte on its dataset's validation
+    split or on any UTF-8 `text_file` (downstream tasks: evals/tasks.py's `evaluate_tasks`).
+    See configs/evaluate.yaml for the keys; `say` shows the plan."""
+    batch_size = positive_int("batch_size", cfg["batch_size"])
+    if cfg["dataset"] and cfg.get("data"):  # data=: train.py's group, its data.* keys too
+        raise ConfigError("give dataset=<name> or data=<name> (with its data.* keys), not both")
+    ckpt, precision = load_evaluated(cfg, say)
+    tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
     if cfg["text_file"]:
         tokens, nbytes, source = text_file_tokens(cfg["text_file"], tokenizer)
         mask = None
     else:
         named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
         if named:  # tokenized as the model's own text was, whatever the dataset's default
-            named = {**named, **source_tokenizer(ckpt.path)}
+            named = {**named, **store.source_tokenizer(ckpt.path)}
         data_cfg = named or ckpt.run_config.get("data")
         if data_cfg is None:
             raise DataError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import yaml
 
 from base.errors import CONFIG_DIR, ConfigError, DataError, positive_int
 from data.sources import FILE_BUILDERS, load_dataset
-from evals.loss import Progress
+from evals.loss import Progress, load_evaluated
 from hardware.device import Precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
@@ -243,24 +243,20 @@ def requested_tasks(task: dict[str, Any] | None, names: list[str]) -> list[dict[
     return chosen + [{**task_config(n), "limit": task.get("limit")} for n in names]
 
 
-def score_tasks(
-    model: GPT,
-    tokenizer: tiktoken.Encoding,
-    task_cfgs: list[dict[str, Any]],
-    precision: Precision,
-    say: Callable[[str], None],
-) -> dict[str, dict[str, float]]:
-    """evaluate.py's downstream scores: each task's metrics, its plan and its result told to
-    `say` as they come, with a progress counter over its items."""
-    results = {}
-    for task_cfg in task_cfgs:
+def evaluate_tasks(cfg: Mapping[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
+    """`python evaluate.py task=<name>` (or tasks=[...]): the checkpoint's downstream scores,
+    each task's plan and result told to `say` as they come, with a progress counter over its
+    items."""
+    ckpt, precision = load_evaluated(cfg, say)
+    model, tokenizer, results = ckpt.model, ckpt.tokenizer(), {}
+    for task_cfg in requested_tasks(cfg["task"], cfg["tasks"]):
         task = load_task(task_cfg, tokenizer, model.config.block_size)
         where = task_cfg["data_files"] or task_cfg["path"]
         say(f"{task.name}: {len(task.items):,} items from {where}")
         with Progress(len(task.items), "item") as progress:
             results[task.name] = score_task(model, task, precision, progress=progress.update)
         say(task_line(task.name, results[task.name]))
-    return results
+    return {"checkpoint": str(ckpt.path), "tasks": results}
 
 
 def task_line(name: str, metrics: dict[str, float]) -> str:

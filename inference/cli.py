@@ -187,8 +187,8 @@ def chat_replies(
 
 def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
     """Sample as configured (see configs/sample.yaml); return the completions (without the
-    prompt). Samples go to `out` (stdout), notes to `err` (stderr). Raises ValueError (and
-    subclasses) or OSError on user mistakes."""
+    prompt). Samples go to `out` (stdout), notes to `err` (stderr). A user mistake raises a
+    UserError (base/errors.py), which sample.py prints as one line."""
     out, err = out or sys.stdout, err or sys.stderr
     # validate everything cheap before loading a model
     params = SamplingParams(**{f.name: cfg[f.name] for f in dataclasses.fields(SamplingParams)})

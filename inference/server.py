@@ -4,7 +4,7 @@ POST /v1/completions and GET /v1/models follow OpenAI's API for a base model (er
 shape: {"error": {"message", "type", "param", "code"}}), and POST /v1/chat/completions for a chat
 fine-tuned one (data/chat.py's template; a base model answers it with a 400); the requests
 decode together
-(inference/batching.py). GET / is the page (inference/page.html), drawn from two JSON endpoints:
+(inference/batching.py). GET / is the page (inference/page.html), drawn from three JSON endpoints:
 POST /api/attention (S of every layer for a text), POST /api/formula (one layer and head of the
 formula, step by step: inference/attention_plot.py's formula_view) and POST /api/causality (how
 far each position's next-token distribution moves when one token is replaced). GET /api/info

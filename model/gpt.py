@@ -61,21 +61,17 @@ def causal_attention(
     v: torch.Tensor,
     allowed: torch.Tensor,
     dropout_p: float = 0.0,
-    steps: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention under a mask; returns (output, probabilities S).
 
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
     attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
     lengths (inference/batching.py's RaggedKVCache). Dropout applies to S before it weighs V.
-    `steps`, when given, receives each intermediate (model/inspection.py shows them).
     """
     qk = q @ k.transpose(-2, -1)  # (B, nh, Tq, Tk): q_i . k_j for every query i and key j
     scaled = qk / math.sqrt(k.size(-1))  # variance ~1 whatever d_k: softmax does not saturate
     masked = scaled.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
     probs = F.softmax(masked, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
-    if steps is not None:
-        steps.update(QK=qk, scaled=scaled, masked=masked, S=probs)
     y = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, Tq, hs)
     return y, probs
 
@@ -134,65 +130,36 @@ def unavailable_attention(device: torch.device) -> dict[str, str]:
     return {"triton": f"model.attention=triton {why}; or use model.attention=sdpa, flash or manual"}
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+# ----- norms -------------------------------------------------------------------------------------
+
+# The two normalisations a block can use (`norm: layernorm | rmsnorm`), also used for qk_norm:
+#
+#     LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * g + b     (GPT-2)
+#     RMSNorm(x)   = x / sqrt(mean(x^2) + eps) * g                  (no centring, no bias)
+#
+# both over the last dimension.
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
-        self.qk_norm = config.qk_norm
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_size)
-            self.k_norm = RMSNorm(config.head_size)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.attend = ATTENTION[config.attention]
-        if config.attention == "flash":  # its tile sizes, queries x keys
-            self.attend = partial(flash, blocks=(config.flash_block_q, config.flash_block_k))
-        # allowed[i, j] is True when position i may look at position j, i.e. j <= i.
-        # A buffer (not recomputed per call) so that tests can swap in a leaky mask as a
-        # negative control for the causality checks.
-        allowed = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", allowed, persistent=False)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # the gain g
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, rope: Rope | None = None
-    ) -> torch.Tensor:
-        """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
-        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions
-        (`rope_tables`), when pos_embedding is rope. Returns Y (B, T, C)."""
-        B, T, C = x.shape
-        q, k, v = self.heads(x, rope)  # each (B, nh, T, hs)
-        allowed = self.causal_mask[:T, :T]  # (T, T)
-        if cache is not None:
-            allowed = cache.allowed(self.causal_mask, T)  # (T, past + T); ragged: (B, 1, T, L)
-            k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, allowed, cache is None, dropout_p)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
-        return self.resid_dropout(self.c_proj(y))  # W_O
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Computed in float32 and returned in x's dtype (shape too). Under bfloat16 autocast
+        qk_norm gets bfloat16 q and k and a float32 gain: F.rms_norm on mixed dtypes warns
+        and falls back to its slow path, and would return float32."""
+        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
+        return y.type_as(x)
 
-    def heads(
-        self, x: torch.Tensor, rope: Rope | None = None, steps: dict | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K, V of x (B, T, C), split into heads: each (B, nh, T, hs). `steps`, when given,
-        receives them as made and after each option (model/inspection.py)."""
-        B, T, C = x.shape
-        steps = {} if steps is None else steps
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        steps.update(Q=q, K=k, V=v)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
-            steps.update(Q_norm=q, K_norm=k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
-            steps.update(Q_rope=q, K_rope=k)
-        return q, k, v
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The norm of the blocks and the final norm, over n_embd. RMSNorm has no bias, whatever
+    `bias` says."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 # ----- rotary position embeddings ----------------------------------------------------------------
@@ -232,36 +199,120 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)  # float32 tables and bfloat16 x compute in float32
 
 
-# ----- norms, the MLP, the block -----------------------------------------------------------------
+# ----- the KV cache ------------------------------------------------------------------------------
 
-# The two normalisations a block can use (`norm: layernorm | rmsnorm`), also used for qk_norm:
+# A key/value cache for generation: each position's keys and values are computed once.
 #
-#     LayerNorm(x) = (x - mean(x)) / sqrt(var(x) + eps) * g + b     (GPT-2)
-#     RMSNorm(x)   = x / sqrt(mean(x^2) + eps) * g                  (no centring, no bias)
-#
-# both over the last dimension.
+# Causal attention makes this exact: position t's keys and values depend only on tokens <= t, so
+# appending a token never changes what was cached before it. `KVCache` holds rows that all end at
+# one length (a batch of samples of one prompt); the server's cache (inference/batching.py) rows
+# of their own lengths, through the same four methods.
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+class KVCache:
+    """Preallocated keys and values for every layer, shape (n_layer, B, nh, max_len, hs).
+
+    During one forward pass every layer appends its new keys/values at [length, length + T);
+    the model then calls `advance(T)` once, so all layers agree on where the sequence ends.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        max_len: int,
+        head_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        shape = (n_layer, batch_size, n_head, max_len, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) for `layer`; return all keys/values so far (B, nh, L, hs).
+        Past max_len the copy fails on its shapes (the model refuses that input first)."""
+        end = self.length + k.size(2)
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def positions(self, T: int) -> torch.Tensor:
+        """The positions of T new tokens, (T,): they follow the cached ones."""
+        return torch.arange(self.length, self.length + T, device=self.k.device)
+
+    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
+        """Which keys (cached, then new) each of T new queries may see: the causal mask's rows
+        at their positions, (T, length + T)."""
+        return causal_mask[self.length : self.length + T, : self.length + T]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+# ----- the attention layer: Q, K, V, the implementation chosen, W_O ----------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))  # the gain g
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # W_Q|W_K|W_V
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size)
+            self.k_norm = RMSNorm(config.head_size)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attend = ATTENTION[config.attention]
+        if config.attention == "flash":  # its tile sizes, queries x keys
+            self.attend = partial(flash, blocks=(config.flash_block_q, config.flash_block_k))
+        # allowed[i, j] is True when position i may look at position j, i.e. j <= i.
+        # A buffer (not recomputed per call) so that tests can swap in a leaky mask as a
+        # negative control for the causality checks.
+        allowed = torch.ones(config.block_size, config.block_size, dtype=torch.bool).tril()
+        self.register_buffer("causal_mask", allowed, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Computed in float32 and returned in x's dtype (shape too). Under bfloat16 autocast
-        qk_norm gets bfloat16 q and k and a float32 gain: F.rms_norm on mixed dtypes warns
-        and falls back to its slow path, and would return float32."""
-        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
-        return y.type_as(x)
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q = X W_Q, K = X W_K, V = X W_V of x (B, T, C), split into heads: each (B, nh, T,
+        hs)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # each (B, T, C)
+        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, rope: Rope | None = None
+    ) -> torch.Tensor:
+        """x: (B, T, C). With a cache, x holds only the new positions and the keys and values of
+        earlier ones come from the cache. rope: the (cos, sin) tables of x's positions
+        (`rope_tables`), when pos_embedding is rope. Returns Y (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x)  # each (B, nh, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's vector to RMS 1, times a gain
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # rotated by their positions
+        allowed = self.causal_mask[:T, :T]  # (T, T)
+        if cache is not None:
+            allowed = cache.allowed(self.causal_mask, T)  # (T, past + T); ragged: (B, 1, T, L)
+            k, v = cache.append(self.layer_idx, k, v)  # (B, nh, past + T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        y = self.attend(q, k, v, allowed, cache is None, dropout_p)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # concatenate heads: (B, T, C)
+        return self.resid_dropout(self.c_proj(y))  # W_O
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
-    """The norm of the blocks and the final norm, over n_embd. RMSNorm has no bias, whatever
-    `bias` says."""
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd)
-    return nn.LayerNorm(config.n_embd, bias=config.bias)
+# ----- the MLP, the block -----------------------------------------------------------------------
 
 
 class MLP(nn.Module):
@@ -470,64 +521,6 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         model.train(was_training)
-
-
-# ----- the KV cache ------------------------------------------------------------------------------
-
-# A key/value cache for generation: each position's keys and values are computed once.
-#
-# Causal attention makes this exact: position t's keys and values depend only on tokens <= t, so
-# appending a token never changes what was cached before it. `KVCache` holds rows that all end at
-# one length (a batch of samples of one prompt); the server's cache (inference/batching.py) rows
-# of their own lengths, through the same four methods.
-
-
-class KVCache:
-    """Preallocated keys and values for every layer, shape (n_layer, B, nh, max_len, hs).
-
-    During one forward pass every layer appends its new keys/values at [length, length + T);
-    the model then calls `advance(T)` once, so all layers agree on where the sequence ends.
-    """
-
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        n_head: int,
-        max_len: int,
-        head_size: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        shape = (n_layer, batch_size, n_head, max_len, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) for `layer`; return all keys/values so far (B, nh, L, hs).
-        Past max_len the copy fails on its shapes (the model refuses that input first)."""
-        end = self.length + k.size(2)
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def positions(self, T: int) -> torch.Tensor:
-        """The positions of T new tokens, (T,): they follow the cached ones."""
-        return torch.arange(self.length, self.length + T, device=self.k.device)
-
-    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
-        """Which keys (cached, then new) each of T new queries may see: the causal mask's rows
-        at their positions, (T, length + T)."""
-        return causal_mask[self.length : self.length + T, : self.length + T]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 # ----- GPTConfig: the model's shape as a validated dataclass; presets in configs/model/ ---------

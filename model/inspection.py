@@ -1,7 +1,7 @@
 """Inspection beside the model: S of every layer, and every step of one layer's formula.
 
 Both are pure functions of the model's weights and the input. They run the model's own pieces in
-the forward's order (the embedding, each block's norm, `heads`, `causal_attention`, the blocks)
+the forward's order (the embedding, each block's norm, `qkv`, `causal_attention`, the blocks)
 and leave the model as they found it: no hook registered, no mode switched, nothing stored. A
 server can therefore run them on the module another thread decodes with, and neither sees the
 other's tensors (a hook on a shared module catches every thread's forwards: docs/serving.md).
@@ -12,6 +12,7 @@ refused, since its numbers would be random.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -33,11 +34,27 @@ def layer_inputs(
         x = block(x, None, rope)
 
 
+def heads(
+    attn: CausalSelfAttention, x: torch.Tensor, rope: Rope | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """q, k, v (B, nh, T, hs) of one layer's input x (B, T, C) as the attention's forward makes
+    them (q and k after its options), and each step on the way: Q, K, V as made; Q_norm, K_norm
+    with qk_norm; Q_rope, K_rope with rope. tests/model/test_formula_steps.py holds them to the
+    forward's output."""
+    q, k, v = attn.qkv(x)
+    steps = dict(Q=q, K=k, V=v)
+    if attn.qk_norm:
+        q, k = steps["Q_norm"], steps["K_norm"] = attn.q_norm(q), attn.k_norm(k)
+    if rope is not None:
+        q, k = steps["Q_rope"], steps["K_rope"] = gpt.apply_rope(q, *rope), gpt.apply_rope(k, *rope)
+    return q, k, v, steps
+
+
 def probs(attn: CausalSelfAttention, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
     """S (B, nh, T, T) of one layer's attention over its input x (B, T, C), from the formula,
     whatever the implementation (flash never forms S)."""
-    T = x.size(1)
-    return gpt.causal_attention(*attn.heads(x, rope), attn.causal_mask[:T, :T])[1]
+    q, k, v, _ = heads(attn, x, rope)
+    return gpt.causal_attention(q, k, v, attn.causal_mask[: x.size(1), : x.size(1)])[1]
 
 
 @torch.no_grad()
@@ -49,17 +66,22 @@ def attention_probs(model: GPT, idx: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def formula_steps(model: GPT, idx: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
-    """Every step of layer `layer`'s attention for idx (1, T), computed by the formula's own
-    lines (`heads`, `causal_attention`) from the layer's input, without dropout, whatever
-    implementation the model runs. Per head, (nh, T, hs) or (nh, T, T): Q, K, V as made;
+    """Every step of layer `layer`'s attention for idx (1, T) from the layer's input, without
+    dropout, whatever implementation the model runs: Y and S from the formula's own function
+    (`causal_attention`), the lines before S as it reads them (a test holds softmax(masked) to
+    its S). Per head, (nh, T, hs) or (nh, T, T): Q, K, V as made;
     Q_norm, K_norm with qk_norm; Q_rope, K_rope with rope; QK (Q K^T), scaled (/ sqrt(d_k)),
     masked (-inf above the diagonal), S (softmax), Y (S V). For the layer, (T, C): X, the
     normed input; heads, every Y concatenated; out, through W_O; and forward, the attention
     module's own output (its implementation's), which `out` equals."""
     attn, x, rope = next(itertools.islice(layer_inputs(model, idx), layer, None))
-    T, steps = x.size(1), {}
-    q, k, v = attn.heads(x, rope, steps)
-    y, _ = gpt.causal_attention(q, k, v, attn.causal_mask[:T, :T], 0, steps)
-    heads = y.transpose(1, 2).reshape(x.shape)  # concatenated: (1, T, C)
-    steps.update(X=x, Y=y, heads=heads, out=attn.c_proj(heads), forward=attn(x, None, rope))
+    q, k, v, steps = heads(attn, x, rope)
+    T = x.size(1)
+    allowed = attn.causal_mask[:T, :T]
+    y, S = gpt.causal_attention(q, k, v, allowed)  # the formula's own Y and S
+    steps["QK"] = q @ k.transpose(-2, -1)  # and its lines before S, shown
+    steps["scaled"] = steps["QK"] / math.sqrt(k.size(-1))
+    steps["masked"] = steps["scaled"].masked_fill(~allowed, float("-inf"))
+    concat = y.transpose(1, 2).reshape(x.shape)  # the heads side by side: (1, T, C)
+    steps.update(S=S, X=x, Y=y, heads=concat, out=attn.c_proj(concat), forward=attn(x, None, rope))
     return {name: step[0] for name, step in steps.items()}  # idx's one row

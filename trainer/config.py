@@ -7,8 +7,9 @@ naming the key, before any data is prepared or memory is allocated.
 The defaults are written once, in the YAML files Hydra composes (configs/train.yaml,
 configs/optim/); the dataclasses read theirs from there (`defaults_from`), for code that builds
 settings without Hydra. The end of this file: the command line's config (a resume's restored),
-checked by a Hydra callback before the run directory exists, and the `.hydra/` files written once
-the run starts.
+a Hydra callback that checks the run directory can be written before Hydra makes it (and a
+sweep's every job's config before the first starts), and the `.hydra/` files written once the
+run starts.
 """
 
 from __future__ import annotations
@@ -261,9 +262,10 @@ def _build(kind: type, values: dict[str, Any], prefix: str) -> Any:
 # The order of a `python train.py` run, so that a mistake leaves nothing behind and a failed or
 # refused attempt never overwrites a run's files:
 # 1. Hydra composes the config (its own errors: base/errors.py);
-# 2. `ValidateBeforeRunDir.on_run_start` validates it (`run_config`) before Hydra creates the run
-#    directory (configs/train.yaml sets hydra.output_subdir to null: Hydra writes nothing there);
-# 3. train.py's main validates again (the same function), builds the Trainer (which prepares the
+# 2. `RunDirGuard.on_run_start` checks the run directory can be written and notes the directories
+#    Hydra is about to make (configs/train.yaml sets hydra.output_subdir to null: Hydra writes
+#    nothing there); in a sweep, `on_multirun_start` validates every job's config first;
+# 3. train.py's main validates the config (`run_config`), builds the Trainer (which prepares the
 #    data: a failure there removes the directories Hydra made for the run, `removed_if_failed`),
 #    and only then writes `.hydra/` (`write_run_files`).
 
@@ -272,7 +274,7 @@ HYDRA_DIR = ".hydra"
 
 RESUMABLE = resumable_keys()  # what a resumed run may change (the declarations above)
 _UNSET = object()
-# The topmost directory Hydra is about to create for this run (ValidateBeforeRunDir saw it
+# The topmost directory Hydra is about to create for this run (RunDirGuard saw it
 # missing): what `removed_if_failed` removes. Empty when the run dir existed, and in a sweep
 # (whose jobs' configs are validated before the first starts).
 _made_for_run: list[Path] = []
@@ -440,7 +442,7 @@ def write_run_files(
     write_atomic(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
 
 
-class ValidateBeforeRunDir(Callback):
+class RunDirGuard(Callback):
     """Hydra callback (configs/train.yaml), before Hydra creates the run directory: one that
     cannot be written is one `error:` line, long before the first checkpoint, and the
     directories Hydra is about to make are noted, for `removed_if_failed` to remove should the

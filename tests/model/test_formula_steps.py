@@ -46,6 +46,7 @@ def test_the_steps_recompose_the_forward_and_follow_the_formula(options, attenti
     future = ~torch.ones(T, T, dtype=torch.bool).tril()
     assert steps["masked"][:, future].eq(float("-inf")).all()  # masked, not merely small
     assert torch.equal(steps["masked"][:, ~future], steps["scaled"][:, ~future])
+    torch.testing.assert_close(steps["masked"].softmax(-1), steps["S"], atol=0, rtol=0)
     assert steps["S"][:, future].eq(0).all() and steps["X"].shape == (T, c.n_embd)
 
 

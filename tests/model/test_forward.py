@@ -1,9 +1,10 @@
-"""forward is hidden_states then logits; eval_mode restores the mode."""
+"""forward's logits and loss; eval_mode restores the mode; add_tokens grows by mean rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import GPT, eval_mode
 from tests.conftest import tiny_config
@@ -14,13 +15,24 @@ from tests.conftest import tiny_config
     [{}, {"tie_embeddings": False}, {"logit_softcap": 0.05}],
     ids=["tied", "untied", "softcap"],
 )
-def test_forward_is_hidden_states_then_logits(options):
+def test_the_loss_is_the_logits_cross_entropy_over_the_targets_not_minus_one(options):
+    """forward(idx) gives the logits, forward(idx, targets) the mean cross-entropy of those same
+    logits over the targets other than -1 (no logits kept), and with loss_reduction="sum" their
+    total; softcapped logits stay inside (-cap, cap)."""
     torch.manual_seed(0)
     model = GPT(tiny_config(**options)).eval()
-    idx = torch.randint(0, 101, (2, 16))
-    logits, _ = model(idx)
-    x = model.hidden_states(idx)  # (B, T, C)
-    torch.testing.assert_close(model.logits(x), logits, atol=0, rtol=0)
+    idx, targets = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
+    targets[0, :5] = -1
+    logits, none = model(idx)
+    assert logits.shape == (2, 16, 101) and none is None
+    expected = F.cross_entropy(logits.reshape(-1, 101), targets.reshape(-1), ignore_index=-1)
+    none, loss = model(idx, targets)
+    assert none is None
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
+    _, total = model(idx, targets, loss_reduction="sum")
+    torch.testing.assert_close(total, expected * 27, rtol=1e-6, atol=0)  # 32 targets, 5 ignored
+    if cap := options.get("logit_softcap"):
+        assert logits.abs().max() < cap
 
 
 def test_eval_mode_restores_the_mode_even_when_the_block_raises():
