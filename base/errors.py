@@ -40,7 +40,12 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-    """A configuration value that cannot work; the message names the key and what it accepts."""
+    """A configuration value that cannot work; the message names the key and what it accepts
+    (`key`, where the caller needs it apart: an API error's param)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(UserError):

@@ -8,7 +8,7 @@ mask is visible as a mask rather than as "attention that happened to be small".
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,7 +110,12 @@ def _hatch(ax: Axes, T: int) -> None:
 
 
 def formula_view(
-    model: GPT, idx: torch.Tensor, layer: int, head: int, row: int | None = None
+    model: GPT,
+    idx: torch.Tensor,
+    layer: int,
+    head: int,
+    row: int | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> dict:
     """One layer and head of the attention formula for idx (1, T), as plain numbers for the page,
     the API and sample.py formula=true, from model/inspection.py's `formula_steps` (the model's
@@ -124,17 +129,23 @@ def formula_view(
     - sqrt_dk: the variance of the raw and of the scaled scores over the visible cells, and
       the chosen row's largest weight and entropy with and without the division;
     - row (default the last): that query's dot products with the visible keys, scaled, their
-      exponentials and sum, its weights, and y_i, their weighted sum of the value rows."""
+      exponentials and sum, its weights, and y_i, their weighted sum of the value rows.
+
+    A layer, head or row out of range is a ConfigError naming it as the caller's user typed it
+    (`names`: e.g. sample.py's attention_layer for layer), its `key` that name."""
+    name = lambda key: (names or {}).get(key, key)  # noqa: E731
     c = model.config
     if isinstance(layer, int) and -c.n_layer <= layer < 0:  # negative counts from the end
         layer += c.n_layer
     for key, value, count in (("layer", layer, c.n_layer), ("head", head, c.n_head)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-            raise ConfigError(f"{key}={value!r} is out of range: use 0 to {count - 1}")
+            why = f"{name(key)}={value!r} is out of range: use 0 to {count - 1}"
+            raise ConfigError(why, name(key))
     T = idx.size(1)
     i = T - 1 if row is None else row
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < T:
-        raise ConfigError(f"row={row!r} is out of range: the text has {T} tokens (0 to {T - 1})")
+        why = f"the text has {T} tokens (0 to {T - 1})"
+        raise ConfigError(f"{name('row')}={row!r} is out of range: {why}", name("row"))
     steps = {k: v.double().cpu() for k, v in formula_steps(model, idx, layer).items()}
     w_o = model.transformer.h[layer].attn.c_proj.weight.double().cpu()  # (C, C)
     hs = c.head_size

@@ -73,13 +73,8 @@ def write_formula(
         model = copy.deepcopy(model).float()
     layer = model.config.n_layer - 1 if cfg["attention_layer"] is None else cfg["attention_layer"]
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
-    try:
-        view = attention_plot.formula_view(
-            model, idx, layer, cfg["formula_head"], cfg["formula_row"]
-        )
-    except ConfigError as e:  # "<field>=<value> is out of range": named as the user typed it
-        field, rest = str(e).split("=", 1)
-        raise ConfigError(f"{FORMULA_KEYS[field]}={rest}") from None
+    head, row = cfg["formula_head"], cfg["formula_row"]
+    view = attention_plot.formula_view(model, idx, layer, head, row, FORMULA_KEYS)
     labels = attention_plot.token_labels(tokenizer, ids)
     attention_plot.plot_formula(view, labels, cfg["formula"])
     print(*attention_plot.row_lines(view, labels), f"wrote {cfg['formula']}", sep="\n", file=err)

@@ -527,8 +527,8 @@ class Server:
         idx = torch.tensor([page["ids"]], device=self.model.lm_head.weight.device)
         try:
             view = formula_view(self.viewed, idx, req.layer, req.head, req.row)
-        except ConfigError as e:  # "<field>=<value> is out of range: ..."
-            raise ApiError(400, str(e), str(e).split("=")[0]) from None
+        except ConfigError as e:  # a layer, head or row out of range, named
+            raise ApiError(400, str(e), e.key) from None
         return {**page, **view}
 
     def view_tokens(self, req: AttentionRequest) -> dict:

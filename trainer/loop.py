@@ -139,8 +139,12 @@ class Budget:
     def spent(self, elapsed: float) -> bool:
         return self.max_seconds is not None and elapsed >= self.max_seconds
 
+    def last_step(self, step: int) -> bool:
+        """Whether `step` is train.max_steps' (never, under a time budget alone)."""
+        return self.max_steps is not None and step >= self.max_steps
+
     def done(self, step: int, elapsed: float) -> bool:
-        return (self.max_steps is not None and step >= self.max_steps) or self.spent(elapsed)
+        return self.last_step(step) or self.spent(elapsed)
 
     def eta(self, step: int, elapsed: float, seconds_per_step: float) -> float:
         left = ((self.max_steps or math.inf) - step) * seconds_per_step
@@ -159,7 +163,7 @@ class Trainer:
         sharded = self.dist.enabled and cfg.parallel.strategy == "fsdp"
         self.device, self.precision = self._machine(sharded)
         self.run_dir = Path(distributed.from_main(str(run_dir)))
-        self.progress = Progress(train.max_steps, "step", enabled=self.dist.is_main)
+        self.progress = Progress(self.budget.max_steps, "step", enabled=self.dist.is_main)
         # The data first (rank 0 alone verifies every byte), so that its mistakes are reported
         # first; then the model it sizes, proved causal, and the tasks scored at evaluations.
         self.data = distributed.run_on_main(lambda: prepare_data(cfg.data))
@@ -368,7 +372,7 @@ class Trainer:
         tensor): the loss is averaged over ranks only where it is logged."""
         cfg, step = self.cfg, self.state.step
         time_fraction = self.budget.time_fraction(self.state.elapsed)  # see lr_scale
-        set_lr(self.optimizer, lr_scale(step, cfg.optim, cfg.train.max_steps, time_fraction))
+        set_lr(self.optimizer, lr_scale(step, cfg.optim, self.budget.max_steps, time_fraction))
         accum = cfg.train.grad_accum_steps
         # The step's loss is the mean over all of its targets, on every rank and micro-batch (a
         # chat batch's assistant tokens vary in number): each micro-batch's summed loss over
@@ -446,18 +450,17 @@ class Trainer:
 
     def _loop(self, received: list[int]) -> None:
         cfg, state = self.cfg.train, self.state
-        max_steps = cfg.max_steps or math.inf  # None: the time budget alone ends the run
         # the clock: seconds in the training loop, summed over resumes
         started = time.perf_counter() - state.elapsed
         timed_from, timed_steps = time.perf_counter(), 0  # tokens/s is timed_steps over this
         first_step = state.step
         signum, out_of_time = self._stop_requested(received)
-        while state.step < max_steps and not out_of_time:
+        while not (self.budget.last_step(state.step) or out_of_time):
             loss, grad_norm = self.train_step()
             state.step += 1
             timed_steps += 1
             state.elapsed = time.perf_counter() - started
-            logged = state.step % cfg.log_interval == 0 or state.step == max_steps
+            logged = state.step % cfg.log_interval == 0 or self.budget.last_step(state.step)
             if logged:
                 tok_s = timed_steps * self.tokens_per_step / (time.perf_counter() - timed_from)
                 self._log(loss, grad_norm, tok_s)
@@ -526,7 +529,7 @@ class Trainer:
         steps_left = max(self.cfg.optim.warmup_steps - self.state.step, 0)
         ends = self.state.elapsed + steps_left * self.tokens_per_step / tok_s
         fraction = self.budget.time_fraction(ends)
-        if warning := warmup_drop(self.cfg.optim, self.cfg.train.max_steps, fraction):
+        if warning := warmup_drop(self.cfg.optim, self.budget.max_steps, fraction):
             self.progress.message(warning)
         self.warmup_told = True
 
