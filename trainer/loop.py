@@ -216,6 +216,34 @@ class Trainer:
         configure_backends(device)
         return device, precision
 
+    def _new_model(self, shards: int) -> GPT:
+        """The model on the device: train.init_from's pretrained weights (the source fixes the
+        architecture), else a new one the config and the tokenizer size. The causality guard
+        checks it first (trainer/preflight.py: the loaded weights, or a shrunk copy of the new
+        architecture), and its memory is estimated before it is allocated: a run that cannot
+        fit is refused."""
+        cfg, init_from = self.cfg, self.cfg.train.init_from
+        model = pretrained_model(init_from, cfg.model, self.data) if init_from else None
+        if model is not None and self.dist.is_main:
+            where = cfg.data.get("tokenizer_dir")
+            read = f" (its tokenizer.json in {where})" if where else ""
+            print(f"tokenizer {self.data.tokenizer_name}{read}: train.init_from={init_from}'s own")
+        self.causality = causality_guard(cfg, self.dist.is_main, model, self.device)
+        if model is not None:
+            config = model.config
+        else:  # `vocab_size: null` is the tokenizer's size
+            vocab, tokenizer_vocab = cfg.model.get("vocab_size"), self.data.vocab_size
+            if vocab is not None and vocab < tokenizer_vocab:
+                raise ConfigError(
+                    f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_vocab} "
+                    "tokens; set model.vocab_size=null to use the tokenizer's size"
+                )
+            config = GPTConfig.from_dict({**cfg.model, "vocab_size": vocab or tokenizer_vocab})
+        _, memory = check_memory(config, cfg, self.precision, shards)
+        if self.dist.is_main:
+            print(memory)
+        return (GPT(config) if model is None else model).to(self.device)
+
     def _tasks(self) -> list:
         """train.eval_tasks, scored at each evaluation: the first eval_task_items of each."""
         if not self.cfg.train.eval_tasks:
@@ -296,34 +324,6 @@ class Trainer:
         # optim.warmup_steps under a time budget: warned of at the first logged step, once the
         # speed is known (see _log); nothing to warn of when no warmup lies ahead
         self.warmup_told = not train.max_seconds or self.state.step >= self.cfg.optim.warmup_steps
-
-    def _new_model(self, shards: int) -> GPT:
-        """The model on the device: train.init_from's pretrained weights (the source fixes the
-        architecture), else a new one the config and the tokenizer size. The causality guard
-        checks it first (trainer/preflight.py: the loaded weights, or a shrunk copy of the new
-        architecture), and its memory is estimated before it is allocated: a run that cannot
-        fit is refused."""
-        cfg, init_from = self.cfg, self.cfg.train.init_from
-        model = pretrained_model(init_from, cfg.model, self.data) if init_from else None
-        if model is not None and self.dist.is_main:
-            where = cfg.data.get("tokenizer_dir")
-            read = f" (its tokenizer.json in {where})" if where else ""
-            print(f"tokenizer {self.data.tokenizer_name}{read}: train.init_from={init_from}'s own")
-        self.causality = causality_guard(cfg, self.dist.is_main, model, self.device)
-        if model is not None:
-            config = model.config
-        else:  # `vocab_size: null` is the tokenizer's size
-            vocab, tokenizer_vocab = cfg.model.get("vocab_size"), self.data.vocab_size
-            if vocab is not None and vocab < tokenizer_vocab:
-                raise ConfigError(
-                    f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer_vocab} "
-                    "tokens; set model.vocab_size=null to use the tokenizer's size"
-                )
-            config = GPTConfig.from_dict({**cfg.model, "vocab_size": vocab or tokenizer_vocab})
-        _, memory = check_memory(config, cfg, self.precision, shards)
-        if self.dist.is_main:
-            print(memory)
-        return (GPT(config) if model is None else model).to(self.device)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
