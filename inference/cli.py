@@ -180,28 +180,22 @@ def chat_replies(
     return converse(ckpt, model, settings, messages or system, out, err, sys.stdin)
 
 
-def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
-    """Sample as configured (see configs/sample.yaml); return the completions (without the
-    prompt). Samples go to `out` (stdout), notes to `err` (stderr). A user mistake raises a
-    UserError (base/errors.py), which sample.py prints as one line."""
-    out, err = out or sys.stdout, err or sys.stderr
-    # validate everything cheap before loading a model
+def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """sample.py's keys checked, cheaply, before a model loads: `cfg` with the sampling params,
+    the stop strings decoded, the prompt and messages read, the figures' paths resolved and
+    whether it is a chat."""
     params = SamplingParams(**{f.name: cfg[f.name] for f in dataclasses.fields(SamplingParams)})
     num_samples = positive_int("num_samples", cfg["num_samples"])
-    max_new_tokens = non_negative_int("max_new_tokens", cfg["max_new_tokens"])
-    seed = non_negative_int("seed", cfg["seed"])
     stop = cfg["stop"] or []
     stop = [stop] if isinstance(stop, str) else stop  # stop=ro: one string, not 'r' and 'o'
     check("stop", stop, isinstance(stop, Sequence), "a string or a list like '[\"\\n\\n\"]'")
-    stop = [decode_escapes(str(s)) for s in stop]
     stream = cfg["stream"]
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
-    cfg = {**cfg, **plots}  # the figures' paths as given, or their default names
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
-    if chat and (prompt or num_samples > 1 or cfg["attention_plot"] or cfg.get("formula")):
+    if chat and (prompt or num_samples > 1 or plots["attention_plot"] or plots["formula"]):
         raise ConfigError(
             "chat=true and messages answer a conversation: drop prompt, prompt_file, "
             "num_samples, attention_plot and formula (they are for continuing text)"
@@ -210,24 +204,48 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
         raise ConfigError(
             "messages is the whole conversation: give its system turn there, not as system="
         )
+    return {
+        **cfg, **plots, "params": params, "num_samples": num_samples, "prompt": prompt,
+        "max_new_tokens": non_negative_int("max_new_tokens", cfg["max_new_tokens"]),
+        "seed": non_negative_int("seed", cfg["seed"]), "messages": messages, "chat": chat,
+        "stop": [decode_escapes(str(s)) for s in stop],
+    }  # fmt: skip
+
+
+def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
+    """Sample as configured (see configs/sample.yaml); return the completions (without the
+    prompt). Samples go to `out` (stdout), notes to `err` (stderr). A user mistake raises a
+    UserError (base/errors.py), which sample.py prints as one line."""
+    out, err = out or sys.stdout, err or sys.stderr
+    cfg = sample_settings(cfg)  # everything cheap checked before a model loads
     device = resolve_device(str(cfg["device"]))
     dtype = decoding_dtype(str(cfg["dtype"]), device)
-
     source = cfg["checkpoint"]
     if source is None:  # train.py's runs only: -m sweeps live under multirun/
         source = find_checkpoint()
         print(f"checkpoint: {source.absolute()} (the newest run under ./outputs)", file=err)
     ckpt = load_source(source, device)
     model = ckpt.model.to(dtype).eval()
-    tokenizer = ckpt.tokenizer()
-    eot = tokenizer.eot_token
-    generator = torch.Generator(device=device).manual_seed(seed)
-    if chat:
-        settings = dict(
-            params=params, generator=generator, stop=stop, max_new_tokens=max_new_tokens
-        )
-        return chat_replies(ckpt, model, cfg, messages, settings, out, err)
+    generator = torch.Generator(device=device).manual_seed(cfg["seed"])
+    if cfg["chat"]:
+        keys = ("params", "stop", "max_new_tokens")
+        decoding = {"generator": generator, **{key: cfg[key] for key in keys}}
+        return chat_replies(ckpt, model, cfg, cfg["messages"], decoding, out, err)
+    return continue_text(model, ckpt.tokenizer(), cfg, generator, out, err)
 
+
+def continue_text(
+    model: GPT,
+    tokenizer: tiktoken.Encoding,
+    cfg: Mapping[str, Any],
+    generator: torch.Generator,
+    out: TextIO,
+    err: TextIO,
+) -> list[str]:
+    """The prompt's `num_samples` continuations (`sample_settings`' cfg), streamed to `out` as they
+    come where one is shown live; the figures asked for first."""
+    prompt, num_samples, stream = cfg["prompt"], cfg["num_samples"], cfg["stream"]
+    eot = tokenizer.eot_token
     ids = tokenizer.encode_ordinary(prompt) or [eot]
     block_size = model.config.block_size
     if len(ids) > block_size:
@@ -237,8 +255,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
             file=err,
         )
         ids = ids[-block_size:]
-    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=generator.device)
     if cfg["attention_plot"]:
         write_attention_plot(model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"])
         print(f"wrote {cfg['attention_plot']}", file=err)
@@ -248,9 +265,8 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
                 "give a longer prompt, e.g. 'prompt=\"To be, or not to be\"'",
                 file=err,
             )
-    if cfg.get("formula"):  # .get: keys newer than a caller's dict
+    if cfg["formula"]:
         write_formula(model, tokenizer, ids, cfg, err)
-
     live = out.isatty() if stream is None else stream
     if stream and num_samples > 1:
         print(
@@ -259,11 +275,12 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
         )
     live = live and num_samples == 1  # a batch advances all samples at once: print at the end
     shown = out if live else io.StringIO()  # not live: the samples are printed at the end
-    texts = [TextStream(tokenizer, stop) for _ in range(num_samples)]
+    texts = [TextStream(tokenizer, cfg["stop"]) for _ in range(num_samples)]
     print(prompt, end="", file=shown, flush=True)
     steps = stream_tokens(
-        model, idx, max_new_tokens, params, generator, eot_token=eot, vocab_size=tokenizer.n_vocab
-    )
+        model, idx, cfg["max_new_tokens"], cfg["params"], generator, eot_token=eot,
+        vocab_size=tokenizer.n_vocab,
+    )  # fmt: skip
     for step in steps:
         for text, token in zip(texts, step.tolist(), strict=True):
             piece = text.finish() if token == eot else text.push(token)
