@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,9 +122,16 @@ class CausalityError(AssertionError):
 # ----- running the model with its sublayers watched: the only code that knows their names ---
 
 
-def _run(model: GPT, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
-    """Every watched output, then the logits; the RNG is reseeded so that dropout draws the same
-    masks on every call."""
+LanguageModel = Callable[[torch.Tensor], torch.Tensor]  # any ids (B, T) -> logits (B, T, V)
+
+
+def _run(model: GPT | LanguageModel, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
+    """Every watched output, then the logits (of a function of ids: its logits alone); the RNG
+    is reseeded so that dropout draws the same masks on every call."""
+    if not isinstance(model, GPT):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return {"logits": model(idx)}
     parts, blocks = ("ln_1", "attn", "ln_2", "mlp"), enumerate(model.transformer.h)
     watched = {model.transformer.drop: "embeddings"}
     watched |= {getattr(block, p): f"layer {i} {p}" for i, block in blocks for p in parts}
@@ -158,15 +166,15 @@ def _first_change(
 
 
 @torch.no_grad()
-def perturbation_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
+def perturbation_check(model: GPT | LanguageModel, idx: torch.Tensor, seed: int = 0) -> CheckResult:
     """For each position s > 0, replace the token at s with another one: no watched output at
     positions < s may move (by more than 1e-6 times its scale: the past is computed exactly as
     before, so it does not move at all) and the logits at s must move.
-    Works in train mode too (dropout masks are reseeded)."""
+    Works in train mode too (dropout masks are reseeded), and on any function of ids."""
     B, T = idx.shape
-    V = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     base = _run(model, idx, seed)
+    V = base["logits"].size(-1)
     largest, leaks, problems = 0.0, [], []
     for s in range(1, T):
         perturbed = idx.clone()
@@ -288,10 +296,19 @@ def check_causality(
     return CausalityReport(checks)
 
 
-def assert_causal(model: GPT, **kwargs: Any) -> None:
+def assert_causal(model: GPT | LanguageModel, **kwargs: Any) -> None:
     """Raise CausalityError, with where each leak enters, unless every check passes. One line
-    in a test suite: `assert_causal(GPT(config))`. kwargs: those of check_causality."""
-    report = check_causality(model, **kwargs)
+    in a test suite: `assert_causal(GPT(config))`; kwargs: those of check_causality. Any other
+    function of ids (B, T) -> logits (B, T, V), your own model's forward, gets the perturbation
+    check on random ids (kwargs: seq_len, batch_size, seed, vocab_size): no logit at t may move
+    when a token after t changes, and the first position that does is named."""
+    if not isinstance(model, GPT):
+        T, B, seed = kwargs.get("seq_len", 8), kwargs.get("batch_size", 2), kwargs.get("seed", 0)
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, kwargs.get("vocab_size", 64), (B, T), generator=gen)
+        report = CausalityReport([perturbation_check(model, idx, seed)])
+    else:
+        report = check_causality(model, **kwargs)
     if not report.causal:
         raise CausalityError("the model is not causal:\n" + "\n".join(report.failures()))
 

@@ -10,6 +10,7 @@ is run on deliberately leaky variants, which it must catch and localise
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from model.causality import (
     shrunk_config,
 )
 from model.gpt import unavailable_attention
-from tests.conftest import PRESETS, load_preset
+from tests.conftest import PRESETS, ROOT, load_preset
 from tests.model.conftest import (
     ARCHITECTURES,
     AXES,
@@ -185,3 +186,19 @@ def test_assert_causal_passes_quietly_and_raises_with_the_localised_report():
     _leaky(model, LEAKS["off by one"](16))
     with pytest.raises(CausalityError, match="manual perturbation \\(eval\\): leak: layer 0 attn"):
         assert_causal(model, seq_len=6, attention=("manual",))
+
+
+def test_the_docs_own_model_passes_and_its_maskless_twin_is_caught_where_it_leaks():
+    """docs/model.md's five-line attention, run as it is there: assert_causal takes any function
+    of ids to logits; the masked model passes, the one that forgets its mask is named at the
+    first logit that moves with a later token (issue 57, item 2's own-model use)."""
+    doc = (ROOT / "docs" / "model.md").read_text()
+    block = doc.split("A five-line attention that forgets its mask")[1]
+    code = block.split("```python\n")[1].split("```")[0]
+    expected = "perturbation: leak: logits: output at t=2 depends on input at t=3 (|d|=2.3e-01)"
+    assert expected in code  # the output the docs show is the one the code gives
+    *passes, fails = code.split("assert_causal(TinyLM(mask=False))")
+    namespace: dict = {"__name__": "docs_example"}
+    exec(compile(passes[0], "docs/model.md", "exec"), namespace)  # the masked model passes
+    with pytest.raises(CausalityError, match=re.escape(expected)):
+        namespace["assert_causal"](namespace["TinyLM"](mask=False))
