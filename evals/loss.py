@@ -21,8 +21,13 @@ from tqdm import tqdm
 
 from base.errors import ConfigError, DataError, check, is_int, positive_int
 from base.files import read_utf8
-from checkpoints import store
-from checkpoints.store import Checkpoint, add_template_tokens, find_checkpoint, load_source
+from checkpoints.store import (
+    Checkpoint,
+    add_template_tokens,
+    find_checkpoint,
+    load_source,
+    source_tokenizer,
+)
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import Precision, resolve_device, resolve_precision
@@ -219,7 +224,7 @@ def evaluate_checkpoint(
     else:
         named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
         if named:  # tokenized as the model's own text was, whatever the dataset's default
-            named = {**named, **store.source_tokenizer(ckpt.path)}
+            named = {**named, **source_tokenizer(ckpt.path)}
         data_cfg = named or ckpt.run_config.get("data")
         if data_cfg is None:
             raise DataError(

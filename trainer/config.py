@@ -327,10 +327,8 @@ def source_data(data: dict[str, Any], source: str, overrides: list[str]) -> dict
     data.tokenizer_dir or another data.tokenizer (which `pretrained_model` then refuses)."""
     named = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
     theirs = source_tokenizer(source)
-    if (
-        "data.tokenizer_dir" in named
-        or named.get("data.tokenizer", theirs["tokenizer"]) != (theirs["tokenizer"])
-    ):
+    mine = named.get("data.tokenizer", theirs["tokenizer"])
+    if "data.tokenizer_dir" in named or mine != theirs["tokenizer"]:
         return data
     return {**data, **theirs}
 
