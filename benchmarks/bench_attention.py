@@ -62,7 +62,7 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
 
     def attend(q, k, v, allowed):
         if impl == "manual":
-            return causal_attention(q, k, v, allowed)[0]
+            return causal_attention(q, k, v, allowed)
         if impl == "flash":
             return flash_causal_attention(q, k, v, args.block_q, args.block_k)
         if impl == "triton":

@@ -78,8 +78,8 @@ def weight_bytes(model: GPT) -> int:
 def nanogpt_generate(model: GPT, idx: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
     """nanoGPT's model.generate (temperature 1, no top_k), step for step."""
     for _ in range(n):
-        x = model.hidden_states(idx[:, -model.config.block_size :])  # (B, T, C)
-        probs = F.softmax(model.logits(x[:, -1, :]), dim=-1)  # the head at the last position only
+        logits = model(idx[:, -model.config.block_size :], last_only=True)[0]  # (B, 1, vocab)
+        probs = F.softmax(logits[:, -1], dim=-1)  # the head at the last position only
         idx = torch.cat((idx, torch.multinomial(probs, num_samples=1, generator=gen)), dim=1)
     return idx
 

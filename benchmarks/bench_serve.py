@@ -121,7 +121,7 @@ def step_times(batch: int, steps: int = 30) -> tuple[float, float]:
         start = time.perf_counter()
         batcher.step()
         middle = time.perf_counter()
-        batcher.decoder.logits(batcher.decoder.hidden_states(newest, batcher.cache)[:, -1])
+        batcher.decoder(newest, cache=batcher.cache, last_only=True)
         batcher.cache.length -= 1
         steps_ms.append(1000 * (middle - start))
         forwards_ms.append(1000 * (time.perf_counter() - middle))

@@ -180,12 +180,12 @@ def score_choices(model: GPT, item: Item, precision: Precision) -> tuple[list[fl
     device = precision.device
     cache = model.new_kv_cache(len(prefix), longest)
     with precision.autocast():
-        h = model.hidden_states(torch.tensor(prefix, device=device), cache)  # (1 or n, p, C)
-        first = model.logits(h[:, -1:]).expand(n, -1, -1)  # predicts each input's position p
+        first = model(torch.tensor(prefix, device=device), cache=cache, last_only=True)[0]
+        first = first.expand(n, -1, -1)  # (n, 1, vocab): predicts each input's position p
         if shared:  # every choice continues from its own copy of the prefix's keys and values
             cache.k, cache.v = cache.k.repeat(1, n, 1, 1, 1), cache.v.repeat(1, n, 1, 1, 1)
         rest = torch.tensor([x[p:] + [0] * (longest - len(x)) for x in inputs], device=device)
-        logits = torch.cat([first, model.logits(model.hidden_states(rest, cache))], dim=1)
+        logits = torch.cat([first, model(rest, cache=cache)[0]], dim=1)
     logprobs = F.log_softmax(logits.float(), dim=-1)  # (n, longest - p + 1, vocab): targets from p
     lls, greedy = [], []
     for i, (s, c) in enumerate(zip(seqs, item.choices, strict=True)):

@@ -227,8 +227,6 @@ def wrap_model(
     for block in model.transformer.h:
         fsdp.fully_shard(block, mp_policy=mp_policy)
     fsdp.fully_shard(model, mp_policy=mp_policy)
-    for method in ("hidden_states", "logits"):  # generation calls them in place of forward
-        fsdp.register_fsdp_forward_method(model, method)
     if compile:
         for block in model.transformer.h:
             block.compile()

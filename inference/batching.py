@@ -184,8 +184,8 @@ class Batcher:
             self._fill(row, job)
         self.cache.rows = slice(0, len(jobs))
         newest = torch.cat([job.seq[:, -1:] for job in jobs])  # (rows, 1)
-        x = self.decoder.hidden_states(newest, self.cache)
-        logits = self.decoder.logits(x[:, -1]).masked_fill(self.padding, float("-inf"))
+        logits = self.decoder(newest, cache=self.cache, last_only=True)[0][:, -1]  # (rows, V)
+        logits = logits.masked_fill(self.padding, float("-inf"))
         tokens = self._draw(logits, jobs)
         for row, (job, token) in enumerate(zip(jobs, tokens.tolist(), strict=True)):
             if token < 0:  # its draw failed alone: it ended
@@ -251,7 +251,7 @@ class Batcher:
         self.cache.rows = slice(row, row + 1)
         self.cache.length = 0
         if job.seq.size(1) - 1 > job.start:
-            self.decoder.hidden_states(job.seq[:, job.start : -1], self.cache)
+            self.decoder(job.seq[:, job.start : -1], cache=self.cache, last_only=True)
 
     def _emit(self, job: Job, token: int, logits: torch.Tensor) -> None:
         """Pass the token on; the job's text is done (it leaves) when the token ends it."""

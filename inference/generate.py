@@ -215,10 +215,7 @@ class TokenContext:
         with self.grad_free():
             cached = 0 if self.cache is None else self.cache.length
             new = self.seq[:, self.start + cached :]  # with a cache: the window's start, then 1
-            x = self.decoder.hidden_states(new, self.cache)
-            # forward without its head, which runs at the last position only: over a 50k
-            # vocabulary the head is a small model's costliest matmul
-            logits = self.decoder.logits(x[:, -1])  # (B, V)
+            logits = self.decoder(new, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)
             if self.padding is not None:
                 # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
                 # the padding decodes to nothing, so it can never be drawn, greedy or sampled.

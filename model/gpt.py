@@ -60,29 +60,30 @@ def causal_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     allowed: torch.Tensor,
+    fresh: bool = True,
     dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention under a mask; returns (output, probabilities S).
+    with_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention under a mask: Y (B, nh, Tq, hs), and S with `with_probs`
+    (model/inspection.py shows it).
 
     q: (B, nh, Tq, hs); k, v: (B, nh, Tk, hs); allowed: (Tq, Tk) bool, True where query i may
     attend to key j (j <= i for causal attention), or (B, 1, Tq, Tk) for rows of their own
-    lengths (inference/batching.py's RaggedKVCache). Dropout applies to S before it weighs V.
+    lengths (inference/batching.py's RaggedKVCache). The mask says it all, so `fresh` (no KV
+    cache) changes nothing here. Dropout applies to S before it weighs V.
     """
     qk = q @ k.transpose(-2, -1)  # (B, nh, Tq, Tk): q_i . k_j for every query i and key j
     scaled = qk / math.sqrt(k.size(-1))  # variance ~1 whatever d_k: softmax does not saturate
     masked = scaled.masked_fill(~allowed, float("-inf"))  # the future gets -inf ...
     probs = F.softmax(masked, dim=-1)  # ... so exp(-inf) = 0: exactly no weight on it
     y = F.dropout(probs, p=dropout_p, training=dropout_p > 0) @ v  # (B, nh, Tq, hs)
-    return y, probs
+    return (y, probs) if with_probs else y
 
 
-# The implementations, one signature: q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), `allowed` as
-# above, `fresh` when there is no KV cache (Tq = Tk and `allowed` is the plain causal mask), the
-# dropout probability; each returns Y (B, nh, Tq, hs). A model picks one at construction.
-
-
-def manual(q, k, v, allowed, fresh: bool, dropout_p: float) -> torch.Tensor:
-    return causal_attention(q, k, v, allowed, dropout_p)[0]  # the formula above
+# The implementations, one signature, the formula's: q (B, nh, Tq, hs), k and v (B, nh, Tk, hs),
+# `allowed` as above, `fresh` when there is no KV cache (Tq = Tk and `allowed` is the plain causal
+# mask), the dropout probability; each returns Y (B, nh, Tq, hs). A model picks one at
+# construction (flash with its tile sizes bound).
 
 
 def sdpa(q, k, v, allowed, fresh: bool, dropout_p: float) -> torch.Tensor:
@@ -102,7 +103,7 @@ def triton(q, k, v, allowed, fresh: bool, dropout_p: float) -> torch.Tensor:
     """The kernel trains and scores; decoding's few new queries over a cache run the formula.
     (On a GPU no check: no work inside a compiled step.)"""
     if not fresh:
-        return manual(q, k, v, allowed, fresh, dropout_p)
+        return causal_attention(q, k, v, allowed, fresh, dropout_p)
     if q.device.type != "cuda" and (why := unavailable_attention(q.device).get("triton")):
         raise ConfigError(why)
     from model.triton_attention import triton_causal_attention  # needs the triton package
@@ -111,7 +112,7 @@ def triton(q, k, v, allowed, fresh: bool, dropout_p: float) -> torch.Tensor:
 
 
 ATTENTION: dict[str, Callable[..., torch.Tensor]] = dict(
-    manual=manual, sdpa=sdpa, flash=flash, triton=triton
+    manual=causal_attention, sdpa=sdpa, flash=flash, triton=triton
 )
 
 
@@ -398,27 +399,16 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
         loss_reduction: str = "mean",
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx: (B, T) token ids. Without targets: (logits (B, T, vocab), None). With targets
-        (B, T), the next token at each position (-1 is ignored): (None, mean cross-entropy, or
-        with loss_reduction="sum" the total, for a caller that weighs batches by their targets).
-        Unlike nanoGPT's, no logits with a loss: a (B, T, vocab) tensor the caller holds stays
-        alive through backward. With a cache, idx holds only the new tokens and positions
-        continue from it."""
-        logits = self.logits(self.hidden_states(idx, cache))  # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return None, F.cross_entropy(
-            logits.view(-1, logits.size(-1)).float(),
-            targets.reshape(-1),
-            ignore_index=-1,
-            reduction=loss_reduction,
-        )
-
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """The head's input, (B, T, C): the blocks over the embedded tokens, then the final norm.
-        Generation calls it and `logits` apart, to take the head at the last position only."""
+        """idx: (B, T) token ids. Without targets: (logits (B, T, vocab), None); with `last_only`
+        the last position's alone, (B, 1, vocab), for generation (over a 50k vocabulary the head
+        is a small model's costliest matmul). With targets (B, T), the next token at each
+        position (-1 is ignored): (None, mean cross-entropy, or with loss_reduction="sum" the
+        total, for a caller that weighs batches by their targets). Unlike nanoGPT's, no logits
+        with a loss: a (B, T, vocab) tensor the caller holds stays alive through backward. With
+        a cache, idx holds only the new tokens and positions continue from it."""
         T, start = idx.size(1), 0 if cache is None else cache.length
         if start + T > self.config.block_size:
             raise ValueError(
@@ -431,24 +421,29 @@ class GPT(nn.Module):
             x = block(x, cache, rope)
         if cache is not None:
             cache.advance(T)
-        return self.transformer.ln_f(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x[:, [-1]] if last_only else x)  # (B, T or 1, vocab)
+        if (cap := self.config.logit_softcap) is not None:
+            logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
+        if targets is None:
+            return logits, None
+        return None, F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(),
+            targets.reshape(-1),
+            ignore_index=-1,
+            reduction=loss_reduction,
+        )
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope | None]:
         """The first block's input x (B, T, C) for tokens idx (B, T) at positions pos (T,), or
-        (B, T) for rows of their own, and the rope tables of those positions (rope only)."""
+        (B, T) for rows of their own, and the rope tables of those positions (rope only). Apart
+        from forward because model/inspection.py starts from it too."""
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
         if self.config.pos_embedding == "rope":  # positions enter through every layer's q and k
             rope = rope_tables(pos, self.config.head_size, self.config.rope_base)  # (cos, sin)
         else:
             x = x + self.transformer.wpe(pos)  # (B, T, C)
         return self.transformer.drop(x), rope
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits (..., vocab) of final hidden states x (..., C)."""
-        logits = self.lm_head(x)
-        if (cap := self.config.logit_softcap) is not None:
-            logits = cap * torch.tanh(logits / cap)  # smoothly squashed into (-cap, cap)
-        return logits
 
     def new_kv_cache(
         self, batch_size: int, max_len: int | None = None, kind: type[KVCache] | None = None

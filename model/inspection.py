@@ -54,7 +54,8 @@ def probs(attn: CausalSelfAttention, x: torch.Tensor, rope: Rope | None) -> torc
     """S (B, nh, T, T) of one layer's attention over its input x (B, T, C), from the formula,
     whatever the implementation (flash never forms S)."""
     q, k, v, _ = heads(attn, x, rope)
-    return gpt.causal_attention(q, k, v, attn.causal_mask[: x.size(1), : x.size(1)])[1]
+    allowed = attn.causal_mask[: x.size(1), : x.size(1)]  # (T, T)
+    return gpt.causal_attention(q, k, v, allowed, with_probs=True)[1]
 
 
 @torch.no_grad()
@@ -78,7 +79,7 @@ def formula_steps(model: GPT, idx: torch.Tensor, layer: int) -> dict[str, torch.
     q, k, v, steps = heads(attn, x, rope)
     T = x.size(1)
     allowed = attn.causal_mask[:T, :T]
-    y, S = gpt.causal_attention(q, k, v, allowed)  # the formula's own Y and S
+    y, S = gpt.causal_attention(q, k, v, allowed, with_probs=True)  # the formula's own Y and S
     steps["QK"] = q @ k.transpose(-2, -1)  # and its lines before S, shown
     steps["scaled"] = steps["QK"] / math.sqrt(k.size(-1))
     steps["masked"] = steps["scaled"].masked_fill(~allowed, float("-inf"))

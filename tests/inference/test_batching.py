@@ -133,7 +133,7 @@ def test_a_failing_forward_ends_its_jobs_and_the_worker_serves_on(model, monkeyp
     thread lives on and decodes the next job."""
     batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=2, max_waiting=2)
     (first, second, later), reasons, ended = _watched(_jobs(model)[:3], broken=set())
-    forward = batcher.decoder.hidden_states
+    forward = batcher.decoder.forward
     calls = iter(range(10**6))
 
     def fails_once(*args, **kwargs):
@@ -141,7 +141,7 @@ def test_a_failing_forward_ends_its_jobs_and_the_worker_serves_on(model, monkeyp
             raise RuntimeError("a failing forward")
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(batcher.decoder, "hidden_states", fails_once)
+    monkeypatch.setattr(batcher.decoder, "forward", fails_once)
     assert batcher.submit([first, second])
     batcher.start()
     assert ended[0].wait(120) and ended[1].wait(120)

@@ -101,18 +101,12 @@ def test_the_prompt_is_processed_once_then_one_token_per_step_and_half_a_window_
     assert seen_lengths == [5] + [1] * (BLOCK - 5) + [half] + [1] * half + [half] + [1] * 2
 
 
-def test_the_head_runs_at_the_last_position_only(model, monkeypatch):
-    seen = []
-    logits = model.logits
-
-    def spy(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        seen.append(tuple(x.shape))  # the hidden states the head is applied to
-        return logits(x, *args)
-
-    monkeypatch.setattr(model, "logits", spy)
+def test_the_head_runs_at_the_last_position_only(model):
+    seen = []  # the shapes of the logits of each forward (a decoding copy keeps the hook)
+    model.register_forward_hook(lambda gpt, args, out: seen.append(tuple(out[0].shape)))
     list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, SamplingParams(0)))
     list(stream_tokens(model, torch.zeros(1, 5, dtype=torch.long), 3 * BLOCK, use_cache=False))
-    assert set(seen) == {(1, model.config.n_embd)}  # one position of one row, every step
+    assert set(seen) == {(1, 1, model.config.vocab_size)}  # one position of one row, every step
 
 
 def test_a_prompt_longer_than_block_size_continues_its_last_block_size_tokens(model):

@@ -39,7 +39,7 @@ def _allowed(Tq: int, Tk: int) -> torch.Tensor:
 def test_outputs_and_gradients_equal_manual_in_float32(B, H, Tq, Tk, hs, block_q, block_k):
     torch.manual_seed(0)
     q, k, v = _qkv(B, H, Tq, Tk, hs)
-    expected, _ = causal_attention(q, k, v, _allowed(Tq, Tk))
+    expected = causal_attention(q, k, v, _allowed(Tq, Tk))
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
     out = flash_causal_attention(q, k, v, block_q, block_k)
@@ -56,7 +56,7 @@ def test_bfloat16_is_within_bfloat16_rounding_of_float32_manual():
     torch.manual_seed(0)
     q, k, v = (t.detach().bfloat16().requires_grad_() for t in _qkv(2, 3, 70, 70, 16))
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    expected, _ = causal_attention(q32, k32, v32, _allowed(70, 70))
+    expected = causal_attention(q32, k32, v32, _allowed(70, 70))
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, (q32, k32, v32), grad_out)
     out = flash_causal_attention(q, k, v, 16, 16)
@@ -79,7 +79,7 @@ def test_tiles_above_the_diagonal_are_never_computed():
     out = flash_causal_attention(q, k, v, 4, 4)  # (1, 2, 16, 8)
     assert out[:, :, :8].isfinite().all()
     assert out[:, :, 8:].isnan().all()  # the NaN does spread where the tile is visited
-    manual, _ = causal_attention(q, k, v, _allowed(16, 16))
+    manual = causal_attention(q, k, v, _allowed(16, 16))
     assert manual.isnan().all()
 
     q, k, v = _qkv(1, 2, 16, 16, 8)
@@ -137,7 +137,7 @@ def test_dropout_is_manual_attention_with_the_per_tile_masks():
         for k0, k1, _ in key_tiles(q0, q1, Tk, Tk - Tq, block_k):
             shape = torch.Size((2, 2, q1 - q0, k1 - k0))
             keep[:, :, q0:q1, k0:k1] = tile_keep_mask(seed, q0, k0, Tk, shape, p, q.device)
-    _, probs = causal_attention(q, k, v, _allowed(Tq, Tk))
+    _, probs = causal_attention(q, k, v, _allowed(Tq, Tk), with_probs=True)
     expected = (probs * keep / (1 - p)) @ v  # (B, nh, Tq, hs)
     out = flash_causal_attention(q, k, v, block_q, block_k, dropout_p=p, seed=seed)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)

@@ -55,8 +55,8 @@ def test_a_step_with_a_mask_one_position_late_fails_the_check(monkeypatch):
     forward, sdpa's own kernel, unchanged) no longer recompose the forward's output."""
     formula = gpt.causal_attention
 
-    def one_late(q, k, v, allowed, *args):
-        return formula(q, k, v, allowed | allowed.roll(1, dims=-1), *args)
+    def one_late(q, k, v, allowed, *args, **kwargs):
+        return formula(q, k, v, allowed | allowed.roll(1, dims=-1), *args, **kwargs)
 
     monkeypatch.setattr(gpt, "causal_attention", one_late)
     model, _, steps = steps_of("gpt2", "sdpa")

@@ -36,7 +36,7 @@ def _qkv(B: int, H: int, T: int, hs: int, dtype=torch.float32):
 
 def _manual(q, k, v):
     T = q.size(2)
-    return causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())[0]
+    return causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())
 
 
 def _outputs_and_grads(attend, q, k, v, grad_out):
@@ -165,7 +165,7 @@ def test_dropout_is_manual_attention_with_the_kernels_masks():
     q, k, v = _qkv(2, 2, T, hs)
     eye = torch.eye(T, hs).expand(2, 2, T, hs)
     dropped = triton_causal_attention(q, k, eye, dropout_p=p, seed=seed)[..., :T]  # (2, 2, T, T)
-    probs = causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())[1]
+    probs = causal_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril(), with_probs=True)[1]
     keep = dropped != 0
     torch.testing.assert_close(dropped, probs * keep / (1 - p), atol=1e-6, rtol=1e-5)
     assert keep[probs > 0].float().mean().item() == pytest.approx(1 - p, abs=0.05)

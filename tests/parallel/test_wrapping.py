@@ -61,7 +61,7 @@ def test_an_fsdp_model_generates_from_itself_the_plain_models_tokens(group):
 
 
 def test_an_fsdp_model_scores_a_task_as_the_plain_model(group, tmp_path):
-    """Task scoring runs hidden_states and logits, FSDP's registered forward methods."""
+    """Task scoring runs forward over a KV cache, the prefix's last position alone then the rest."""
     model = model_for()
     sharded = wrap_model(copy.deepcopy(model), "fsdp", TWO_RANKS, torch.device("cpu"))
     task = load_task(local_task(tmp_path, "hellaswag"), GPT2, 64)
