@@ -1,6 +1,6 @@
 """Checks that a model is causal: the output at position t may use inputs <= t, nothing later.
 
-Three checks, each localising what it finds to the first sublayer whose output is wrong:
+The checks, each localising what it finds to the first sublayer whose output is wrong:
 
 - perturbation: change the token at one position s; every watched output at positions < s
   must stay the same (and the logits at s must change: a model blind to its input proves
@@ -9,18 +9,35 @@ Three checks, each localising what it finds to the first sublayer whose output i
 - kv-cache: decoding through the KV cache (a prefill, a chunk over the cache, then one token
   at a time) must give the full forward's outputs.
 
-The watched outputs, in forward order, are the embeddings (after dropout), each block's ln_1,
-attn, ln_2 and mlp, the final norm ln_f, lm_head and the logits. The first of them to change is
-where the future gets in: everything before it is clean, and its input is built from them.
+and on a transformers causal LM, through its own interfaces (attention mask, position ids,
+cache, window):
 
-`check_causality(model)` runs every check in eval and train mode (dropout masks reseeded) with
-each attention implementation; `assert_causal(model)` raises with the localised report;
+- attention-span: each layer's attention output depends on exactly the keys its mask allows,
+  d attn_out[t] / d attn_in[s] != 0 iff t - window < s <= t (window: the config's sliding
+  window on the layers that have one, else none): nothing later, nothing out of the window,
+  every key inside it reachable.
+- padding: prompts of different lengths in one batch, padded left and right with the attention
+  mask, get the outputs each gets alone; left-padded, the same greedy continuation (generate).
+- packing: documents packed in one row with restarting position ids get what each gets alone.
+
+The watched outputs, in forward order, are the embeddings, each block's sublayers (ours: ln_1,
+attn, ln_2 and mlp; a transformers layer's children, in the order they run), the final norm,
+lm_head and the logits. The first of them to change is where the future gets in: everything
+before it is clean, and its input is built from them.
+
+`check_causality(model)` runs every check on our GPT in eval and train mode (dropout masks
+reseeded) with each attention implementation, and on a transformers model (`audit_transformers`)
+the checks above in eval mode with its own attention; `assert_causal(model)` raises with the
+localised report, and takes any function of ids to logits too (the perturbation check);
 `shrunk_config(model_values)` is an architecture at tiny sizes (train.py's guard checks one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 import itertools
 import json
 from collections.abc import Callable
@@ -31,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
+from base.errors import ConfigError
 from model.gpt import ATTENTION_IMPLS, GPT, GPTConfig, eval_mode, unavailable_attention
 
 TRAIN_DROPOUT = 0.1  # the train-mode checks' dropout when the model has none
@@ -44,17 +62,18 @@ Outputs = dict[str, torch.Tensor]  # each watched output (B, T, ...) by name, in
 @dataclass(frozen=True)
 class Leak:
     """Where the future first gets in: `where` (e.g. "layer 3 mlp") changes at position t when
-    the input at `source` > t changes. source None: the KV-cached output at t differs from the
-    full forward's."""
+    the input at `source` > t changes. source None: the output at t differs from what it should
+    equal (`versus`: a KV-cached output from the full forward's, a padded row from itself)."""
 
     where: str
     t: int
     source: int | None
     size: float
+    versus: str = "cached output at t={t} differs from the full forward's"  # source None
 
     def __str__(self) -> str:
         if self.source is None:
-            what = f"cached output at t={self.t} differs from the full forward's"
+            what = self.versus.format(t=self.t)
         else:
             what = f"output at t={self.t} depends on input at t={self.source}"
         return f"leak: {self.where}: {what} (|d|={self.size:.1e})"
@@ -123,28 +142,58 @@ class CausalityError(AssertionError):
 
 
 LanguageModel = Callable[[torch.Tensor], torch.Tensor]  # any ids (B, T) -> logits (B, T, V)
+Audited = GPT | nn.Module | LanguageModel  # ours, a transformers causal LM, or a function
 
 
-def _run(model: GPT | LanguageModel, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
-    """Every watched output, then the logits (of a function of ids: its logits alone); the RNG
-    is reseeded so that dropout draws the same masks on every call."""
-    if not isinstance(model, GPT):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return {"logits": model(idx)}
-    parts, blocks = ("ln_1", "attn", "ln_2", "mlp"), enumerate(model.transformer.h)
-    watched = {model.transformer.drop: "embeddings"}
-    watched |= {getattr(block, p): f"layer {i} {p}" for i, block in blocks for p in parts}
-    watched |= {model.transformer.ln_f: "ln_f", model.lm_head: "lm_head"}
-    outputs: Outputs = {}
+def is_transformers(model: Audited) -> bool:
+    """A transformers model (PreTrainedModel's interface), told apart without importing it."""
+    return hasattr(model, "get_decoder") and hasattr(model, "config")
 
-    def record(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    """A transformers model's decoder layers: its decoder's list of num_hidden_layers modules."""
+    n = model.config.num_hidden_layers
+    found = (m for m in model.get_decoder().children() if isinstance(m, nn.ModuleList))
+    return next(m for m in found if len(m) == n)
+
+
+def _watched(model: Audited) -> dict[nn.Module, str]:
+    """The watched modules and their names: ours by name; a transformers model's embedding, each
+    layer's children (recorded in the order they run), head; none in a function of ids."""
+    if isinstance(model, GPT):
+        parts, blocks = ("ln_1", "attn", "ln_2", "mlp"), enumerate(model.transformer.h)
+        watched = {model.transformer.drop: "embeddings"}
+        watched |= {getattr(block, p): f"layer {i} {p}" for i, block in blocks for p in parts}
+        return watched | {model.transformer.ln_f: "ln_f", model.lm_head: "lm_head"}
+    if not is_transformers(model):
+        return {}
+    watched = {model.get_input_embeddings(): "embeddings"}
+    for i, layer in enumerate(_layers(model)):
+        watched |= {child: f"layer {i} {name}" for name, child in layer.named_children()}
+    return watched | {model.get_output_embeddings(): "lm_head"}
+
+
+def _logits(model: Audited, idx: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The logits (B, T, V) of ids idx (B, T); kwargs: the model's own (a cache, a mask)."""
+    if isinstance(model, GPT):
+        return model(idx, **kwargs)[0]
+    if is_transformers(model):
+        return model(input_ids=idx, **kwargs).logits
+    return model(idx)
+
+
+def _run(model: Audited, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
+    """Every watched output in the order they ran, then the logits; the RNG is reseeded so that
+    dropout draws the same masks on every call."""
+    watched, outputs = _watched(model), {}
+
+    def record(module: nn.Module, args: Any, out: Any) -> None:
         if module in watched:  # a global hook: every module of every model calls it
-            outputs[watched[module]] = out
+            outputs[watched[module]] = out[0] if isinstance(out, tuple) else out  # attn: (y, S)
 
     with register_module_forward_hook(record), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        logits, _ = model(idx, **kwargs)
+        logits = _logits(model, idx, **kwargs)
     return {**outputs, "logits": logits}
 
 
@@ -162,11 +211,11 @@ def _first_change(
     return None
 
 
-# ----- the three checks -------------------------------------------------------------------
+# ----- the checks on any model -------------------------------------------------------------------
 
 
 @torch.no_grad()
-def perturbation_check(model: GPT | LanguageModel, idx: torch.Tensor, seed: int = 0) -> CheckResult:
+def perturbation_check(model: Audited, idx: torch.Tensor, seed: int = 0) -> CheckResult:
     """For each position s > 0, replace the token at s with another one: no watched output at
     positions < s may move (by more than 1e-6 times its scale: the past is computed exactly as
     before, so it does not move at all) and the logits at s must move.
@@ -190,7 +239,7 @@ def perturbation_check(model: GPT | LanguageModel, idx: torch.Tensor, seed: int 
     return CheckResult("perturbation", "change in the past", T - 1, largest, leak, problems)
 
 
-def jacobian_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
+def jacobian_check(model: GPT | nn.Module, idx: torch.Tensor, seed: int = 0) -> CheckResult:
     """d logits[:, t] / d embedding[:, s] must be exactly zero for every s > t (and not all
     zero for s <= t). On a violation, the first watched output with a nonzero gradient from a
     later position is the leak."""
@@ -201,15 +250,18 @@ def jacobian_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
         leaves.append(out.detach().requires_grad_(True))
         return leaves[-1]  # (B, T, C): what the rest of the model sees
 
-    with torch.enable_grad(), model.transformer.wte.register_forward_hook(as_leaf):
+    embedding = model.transformer.wte if isinstance(model, GPT) else model.get_input_embeddings()
+    with torch.enable_grad(), embedding.register_forward_hook(as_leaf):
         outputs = _run(model, idx, seed)
     (emb,) = leaves
 
     def jacobian(output: torch.Tensor) -> torch.Tensor:
-        """(T, T): [t, s] = max |d output[:, t] / d emb[:, s]|."""
-        rows = [
-            torch.autograd.grad(output[:, t].sum(), emb, retain_graph=True)[0] for t in range(T)
-        ]
+        """(T, T): [t, s] = max |d output[:, t] / d emb[:, s]|; zero for an output upstream of
+        emb (a transformers embedding's own, recorded before it is made the leaf)."""
+        grad = functools.partial(torch.autograd.grad, retain_graph=True, allow_unused=True)
+        rows = [grad(output[:, t].sum(), emb)[0] for t in range(T)]
+        if rows[0] is None:
+            return torch.zeros(T, T)
         return torch.stack(rows).abs().amax(dim=(1, 3)).cpu()  # from (T, B, T, C)
 
     logits = jacobian(outputs["logits"])
@@ -230,9 +282,10 @@ def jacobian_check(model: GPT, idx: torch.Tensor, seed: int = 0) -> CheckResult:
 
 
 @torch.no_grad()
-def kv_cache_check(model: GPT, idx: torch.Tensor) -> CheckResult:
-    """Decode idx through the KV cache, a third as a prefill, then a chunk of at least 2 tokens
-    over the cache, then one token at a time: every watched output must equal the full
+def kv_cache_check(model: GPT | nn.Module, idx: torch.Tensor) -> CheckResult:
+    """Decode idx through the model's KV cache (ours, or a transformers DynamicCache, which
+    keeps a sliding window's last keys only), a third as a prefill, then a chunk of at least 2
+    tokens over the cache, then one token at a time: every watched output must equal the full
     forward's within 1e-5 times its scale (rounding: < 5e-7; rope positions off after the
     prefill: > 1e-4). Eval mode."""
     B, T = idx.shape
@@ -240,12 +293,171 @@ def kv_cache_check(model: GPT, idx: torch.Tensor) -> CheckResult:
     prefill = max(1, T // 3)
     chunk = min(T, prefill + max(2, T // 3))
     bounds = sorted({0, prefill, chunk, *range(chunk + 1, T + 1)})  # each call's [start, end)
-    cache = model.new_kv_cache(B, max_len=T)
-    parts = [_run(model, idx[:, a:b], 0, cache=cache) for a, b in itertools.pairwise(bounds)]
+    cache = _empty_cache(model, B, T)
+    parts = [_run(model, idx[:, a:b], 0, **cache) for a, b in itertools.pairwise(bounds)]
     cached = {key: torch.cat([p[key] for p in parts], dim=1) for key in full}
     largest = (cached["logits"] - full["logits"]).abs().max().item()
     leak = _first_change(full, cached, T, 1e-5, source=None)
     return CheckResult("kv-cache", "difference from the full forward", T, largest, leak)
+
+
+def _empty_cache(model: GPT | nn.Module, batch_size: int, max_len: int) -> dict[str, Any]:
+    """The forward's keyword arguments that decode through a new, empty cache of the model's own
+    kind (transformers 5 names it `cache`, 4 `past_key_values`)."""
+    if isinstance(model, GPT):
+        return {"cache": model.new_kv_cache(batch_size, max_len=max_len)}
+    from transformers import DynamicCache
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: DynamicCache(config=model.config), "use_cache": True}
+
+
+# ----- the checks through a transformers model's own interfaces ----------------------------
+
+
+def _windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: the full causal span), from the config: layer_types
+    where it has them (Gemma, Qwen2), else sliding_window on every layer (Mistral, Phi-3)."""
+    window, n = getattr(config, "sliding_window", None), config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or n * ["sliding_attention" if window else ""]
+    if unknown := sorted(set(kinds) - {"full_attention", "sliding_attention", ""}):
+        raise ConfigError(
+            f"layer_types {unknown} are not checked: the audit knows full_attention "
+            "and sliding_attention layers"
+        )
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def attention_span_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
+    """Each layer's attention output at t depends on its input at exactly the positions s its
+    window allows, t - window < s <= t: d attn_out[:, t] / d attn_in[:, s] is zero outside
+    (a leak: later, or older than the window) and nonzero inside (a key the mask hides wrongly).
+    Each layer's attention input is made a leaf, so a layer is judged on its own mask alone."""
+    T = idx.size(1)
+    attentions = [
+        next(c for n, c in layer.named_children() if "attn" in n) for layer in _layers(model)
+    ]
+    inputs, outputs = {}, {}
+
+    def as_leaf(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
+        inputs[module] = x  # (B, T, C)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def keep(module: nn.Module, args: tuple, out: Any) -> None:
+        outputs[module] = out[0] if isinstance(out, tuple) else out  # (B, T, C)
+
+    with contextlib.ExitStack() as hooks, torch.enable_grad():
+        for attn in attentions:
+            hooks.enter_context(attn.register_forward_pre_hook(as_leaf, with_kwargs=True))
+            hooks.enter_context(attn.register_forward_hook(keep))
+        _logits(model, idx)
+    largest, leak, problems = 0.0, None, []
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for i, (attn, window) in enumerate(zip(attentions, _windows(model.config), strict=True)):
+        out, x = outputs[attn], inputs[attn]
+        rows = [torch.autograd.grad(out[:, t].sum(), x, retain_graph=True)[0] for t in range(T)]
+        grads = torch.stack(rows).abs().amax(dim=(1, 3)).cpu()  # (T, T): [t, s] from (T, B, T, C)
+        allowed = causal if window is None else causal & ~causal.tril(-window)
+        span = "causal" if window is None else f"window {window}"
+        outside = grads.masked_fill(allowed, 0)
+        largest = max(largest, outside.max().item())
+        if leak is None and outside.max() > 0:
+            t, s = divmod(int(outside.argmax()), T)
+            leak = Leak(f"layer {i} attention ({span})", t, s, outside.max().item())
+        if (hidden := allowed & (grads == 0)).any():
+            t, s = divmod(int(hidden.float().argmax()), T)
+            problems.append(f"layer {i} attention ({span}): output at t={t} ignores input at t={s}")
+    return CheckResult("attention-span", "gradient outside the span", T, largest, leak, problems)
+
+
+@torch.no_grad()
+def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> CheckResult:
+    """Every other row cut to half its length, the batch padded left and then right, with the
+    attention mask (and, left, the position ids generate gives: the mask's cumulative sum):
+    each row's outputs at its tokens must equal its own alone within 1e-5 of their scale, and
+    left-padded, generate's greedy continuation of `new_tokens` must be the row's alone."""
+    B, T = idx.shape
+    lengths = [T - (b % 2) * (T // 2) for b in range(B)]
+    alone = [_run(model, idx[b : b + 1, :n], 0) for b, n in enumerate(lengths)]
+    largest, leak, problems = 0.0, None, []
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    for side in ("left", "right"):
+        ids, mask = torch.zeros_like(idx), torch.zeros_like(idx)  # pad id 0: masked anyway
+        cols = [slice(T - n, T) if side == "left" else slice(0, n) for n in lengths]
+        for b, (n, c) in enumerate(zip(lengths, cols, strict=True)):
+            ids[b, c], mask[b, c] = idx[b, :n], 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        batched = _run(model, ids, 0, attention_mask=mask, position_ids=position_ids)
+        for b, (n, c) in enumerate(zip(lengths, cols, strict=True)):
+            row = {name: out[b : b + 1, c] for name, out in batched.items()}
+            largest = max(largest, (row["logits"] - alone[b]["logits"]).abs().max().item())
+            found = _first_change(alone[b], row, n, 1e-5, source=None)
+            if leak is None and found is not None:
+                versus = f"{side}-padded row {b}'s output at t={{t}} differs from the row alone"
+                leak = dataclasses.replace(found, versus=versus)
+        if side == "left":
+            batch = model.generate(ids, attention_mask=mask, pad_token_id=0, **greedy)[:, T:]
+            for b, n in enumerate(lengths):
+                alone_ids, ones = idx[b : b + 1, :n], mask.new_ones(1, n)  # 0 is a token here
+                own = model.generate(alone_ids, attention_mask=ones, pad_token_id=0, **greedy)[
+                    0, n:
+                ]
+                if not torch.equal(batch[b], own):
+                    problems.append(
+                        f"left-padded row {b}'s greedy continuation "
+                        f"{batch[b].tolist()} is not its own {own.tolist()}"
+                    )
+    return CheckResult(
+        "padding", "difference from the row alone", sum(lengths), largest, leak, problems
+    )
+
+
+@torch.no_grad()
+def packing_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
+    """Two documents packed in one row, the position ids restarting at the second (no attention
+    mask: transformers reads the documents from the position ids): each document's outputs
+    must equal its own alone within 1e-5 of their scale."""
+    T = idx.size(1)
+    docs = [idx[0, : T // 2], idx[-1, : T - T // 2]]
+    row, position_ids = torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])
+    position_ids = position_ids[None].to(idx.device)  # (1, T); with a cache no packing is read
+    packed = _run(model, row, 0, position_ids=position_ids, use_cache=False)
+    largest, leak = 0.0, None
+    for i, (doc, start) in enumerate(zip(docs, (0, T // 2), strict=True)):
+        alone = _run(model, doc[None], 0)
+        part = {name: out[:, start : start + len(doc)] for name, out in packed.items()}
+        largest = max(largest, (part["logits"] - alone["logits"]).abs().max().item())
+        found = _first_change(alone, part, len(doc), 1e-5, source=None)
+        if leak is None and found is not None:
+            versus = f"packed document {i}'s output at t={{t}} differs from the document alone"
+            leak = dataclasses.replace(found, versus=versus)
+    return CheckResult("packing", "difference from the document alone", T, largest, leak)
+
+
+def audit_transformers(
+    model: nn.Module, seq_len: int = 8, batch_size: int = 2, seed: int = 0
+) -> CausalityReport:
+    """Every check on a transformers causal LM, with its own attention implementation, in eval
+    mode (put back after): perturbation, jacobian, kv-cache, attention-span, padding, packing.
+    An encoder (nothing to generate with) is refused in one line."""
+    if not model.can_generate() or getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{type(model).__name__} is not a causal language model (an encoder "
+            "or an encoder-decoder): load it with AutoModelForCausalLM"
+        )
+    idx = random_tokens(model, seq_len, batch_size, seed)
+    impl = model.config._attn_implementation
+    with eval_mode(model):
+        found = [
+            perturbation_check(model, idx, seed),
+            jacobian_check(model, idx, seed),
+            kv_cache_check(model, idx),
+            attention_span_check(model, idx),
+            padding_check(model, idx),
+            packing_check(model, idx),
+        ]
+    return CausalityReport([dataclasses.replace(c, name=f"{impl} {c.name}") for c in found])
 
 
 # ----- every check, on every implementation -----------------------------------------------
@@ -260,16 +472,19 @@ def _variant(model: GPT, **changes: Any) -> GPT:
     return other.to(model.lm_head.weight.device)
 
 
-def random_tokens(model: GPT, seq_len: int, batch_size: int = 2, seed: int = 0) -> torch.Tensor:
-    """(batch_size, min(seq_len, block_size)) random token ids on the model's device."""
-    T = min(seq_len, model.config.block_size)
+def random_tokens(
+    model: GPT | nn.Module, seq_len: int, batch_size: int = 2, seed: int = 0
+) -> torch.Tensor:
+    """(batch_size, min(seq_len, the model's context)) random token ids on the model's device."""
+    c = model.config
+    T = min(seq_len, c.block_size if isinstance(model, GPT) else c.max_position_embeddings)
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, model.config.vocab_size, (batch_size, T), generator=gen)
-    return idx.to(model.lm_head.weight.device)
+    idx = torch.randint(0, c.vocab_size, (batch_size, T), generator=gen)
+    return idx.to(next(model.parameters()).device)
 
 
 def check_causality(
-    model: GPT,
+    model: GPT | nn.Module,
     seq_len: int = 8,
     batch_size: int = 2,
     seed: int = 0,
@@ -278,7 +493,10 @@ def check_causality(
     """Every check with each attention implementation that runs on the model's device (the
     model's own first; `attention` narrows them): perturbation and jacobian in eval mode and in
     train mode (dropout `TRAIN_DROPOUT` if the model has none, masks reseeded), and the KV
-    cache in eval mode. The model's mode is left as it was."""
+    cache in eval mode. The model's mode is left as it was. A transformers model gets
+    `audit_transformers` (`attention`: its own only)."""
+    if is_transformers(model):
+        return audit_transformers(model, seq_len, batch_size, seed)
     own = model.config.attention
     cannot = unavailable_attention(model.lm_head.weight.device)
     impls = attention or (own, *(a for a in ATTENTION_IMPLS if a != own and a not in cannot))
@@ -296,13 +514,14 @@ def check_causality(
     return CausalityReport(checks)
 
 
-def assert_causal(model: GPT | LanguageModel, **kwargs: Any) -> None:
+def assert_causal(model: Audited, **kwargs: Any) -> None:
     """Raise CausalityError, with where each leak enters, unless every check passes. One line
-    in a test suite: `assert_causal(GPT(config))`; kwargs: those of check_causality. Any other
+    in a test suite: `assert_causal(GPT(config))`, or a transformers causal LM; kwargs: those of
+    check_causality. Any other
     function of ids (B, T) -> logits (B, T, V), your own model's forward, gets the perturbation
     check on random ids (kwargs: seq_len, batch_size, seed, vocab_size): no logit at t may move
     when a token after t changes, and the first position that does is named."""
-    if not isinstance(model, GPT):
+    if not isinstance(model, GPT) and not is_transformers(model):
         T, B, seed = kwargs.get("seq_len", 8), kwargs.get("batch_size", 2), kwargs.get("seed", 0)
         gen = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, kwargs.get("vocab_size", 64), (B, T), generator=gen)
