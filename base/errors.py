@@ -11,8 +11,9 @@ must be <rule>, got <value>`. Every config object uses it (GPTConfig, the run co
 parameters, the sample and evaluate keys), so a bad value reads the same wherever it was typed.
 
 Hydra reports a typo'd key, a malformed override or an unknown config group option in several
-lines and exits 1. `hydra_main` lets Hydra raise instead (HYDRA_FULL_ERROR) and prints each as
-one `error:` line, exit code 2. Errors raised by the task itself pass through untouched: the task
+lines and exits 1. `hydra_main` lets Hydra raise instead (HYDRA_FULL_ERROR, set around Hydra's
+own work only: the task and the processes it starts see the user's environment) and prints each
+as one `error:` line, exit code 2. Errors raised by the task itself pass through untouched: the task
 handles its users' mistakes with `user_errors()`, and anything else is a bug whose traceback must
 show. Hydra is imported inside: model/ and data/ use the checks without loading it.
 """
@@ -192,22 +193,23 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
 
     def decorate(task: Callable[[Any], Any]) -> Callable[[], None]:
         raised_by_task: list[BaseException] = []
+        users = os.environ.get("HYDRA_FULL_ERROR")
 
         @hydra.main(config_path="configs", config_name=config_name, version_base=None)
         @functools.wraps(task)  # Hydra unwraps to `task`: configs/ next to its script
         def run(cfg: Any) -> Any:
             try:
-                return task(cfg)
+                with _environment("HYDRA_FULL_ERROR", users):  # the task's and its children's
+                    return task(cfg)
             except Exception as e:
                 raised_by_task.append(e)
                 raise
 
         @functools.wraps(task)
         def main() -> None:
-            # Hydra re-raises its errors instead of printing them (its documented switch).
-            os.environ["HYDRA_FULL_ERROR"] = "1"
-            try:
-                run()
+            try:  # Hydra re-raises its errors instead of printing them (its documented switch)
+                with _environment("HYDRA_FULL_ERROR", "1"):
+                    run()
             except (HydraException, OmegaConfBaseException, ValueError) as e:
                 if e in raised_by_task:  # the task's own: a bug, its traceback shows
                     raise
@@ -219,6 +221,20 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
         return main
 
     return decorate
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable `name` set to `value` (None: unset) inside the block only."""
+    before = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
 
 
 def _group_choice_error() -> str | None:

@@ -4,6 +4,7 @@ user's mistake: its traceback shows."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -80,6 +81,28 @@ def test_ctrl_c_before_a_task_handles_it_is_one_line_and_exit_130(tmp_path):
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert (result.returncode, result.stderr) == (130, "interrupted\n")
+
+
+@pytest.mark.parametrize("users", [None, "0"])
+def test_the_task_runs_in_the_users_environment(tmp_path, users):
+    """hydra_main switches Hydra's errors to raising around Hydra alone: the task (and what it
+    starts) sees HYDRA_FULL_ERROR as the user set it, and a Hydra error is still one line."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    script = tmp_path / "script.py"
+    script.write_text(
+        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom base.errors import hydra_main\n\n"
+        "@hydra_main('sample')\ndef main(cfg):\n    print(os.environ.get('HYDRA_FULL_ERROR'))\n\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env |= {} if users is None else {"HYDRA_FULL_ERROR": users}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert (result.returncode, result.stdout) == (0, f"{users}\n"), result.stderr
+    result = subprocess.run(
+        [sys.executable, str(script), "no_such_key=1"], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.parametrize(
