@@ -53,11 +53,13 @@ class DistInfo:
     rank: int = 0
     local_rank: int = 0  # the GPU index on this node
     world_size: int = 1
+    restart: int = 0  # torchrun's restarts of the job's workers so far (--max-restarts)
 
     @classmethod
     def from_env(cls) -> DistInfo:
         get = os.environ.get
-        return cls(int(get("RANK", 0)), int(get("LOCAL_RANK", 0)), int(get("WORLD_SIZE", 1)))
+        ranks = int(get("RANK", 0)), int(get("LOCAL_RANK", 0)), int(get("WORLD_SIZE", 1))
+        return cls(*ranks, int(get("TORCHELASTIC_RESTART_COUNT", 0)))
 
     @property
     def is_main(self) -> bool:
@@ -78,6 +80,14 @@ def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> 
         return device
     if device.type == "mps":
         raise ConfigError("multi-process training needs CUDA or the CPU, not MPS; use device=cpu")
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):  # in the store torchrun shares, a restart reads its peers' old addresses and fails
+        raise ConfigError(
+            "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment, or a restarted worker cannot reach its peers (pytorch issue 135712): "
+            "run TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ..."
+        )
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)

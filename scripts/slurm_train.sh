@@ -20,7 +20,11 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RUN_DIR=${RUN_DIR:-outputs/$SLURM_JOB_NAME}
 
+# torchrun restarts failed workers, which resume from the last checkpoint (train.resume=auto);
+# restarts need stores of their own (docs/distributed.md, "Restarts")
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 srun --kill-on-bad-exit=1 torchrun \
+    --max-restarts="${MAX_RESTARTS:-3}" \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv_backend=c10d \

@@ -493,8 +493,12 @@ class Trainer:
             f"{f' ({self.precision.why})' if self.precision.why else ''}, "
             f"MFU vs {self.peak_source}\n{budget}\n{self.tracker.location}"
         )
+        restart = f"torchrun restart {self.dist.restart}: " if self.dist.restart else ""
         if self.resumed_from is not None:
-            self.progress.message(f"resumed from {self.resumed_from} at step {self.state.step}")
+            resumed = f"resumed from {self.resumed_from} at step {self.state.step}"
+            self.progress.message(restart + resumed)
+        elif restart:  # before the first checkpoint: all over again
+            self.progress.message(restart + "no checkpoint yet, so from step 0")
         self.progress.start(self.state.step)
 
     def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:

@@ -49,12 +49,15 @@ RUN = [
 
 
 def torchrun(
-    script: Path, *args: str, cwd: Path, timeout: float = HANG_SECONDS
+    script: Path, *args: str, cwd: Path, timeout: float = HANG_SECONDS, restarts: int = 0, **env
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 script args`, one thread per rank. On timeout
-    the whole process group goes (the workers too, not only torchrun) and the test fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    """`torchrun --standalone --nproc_per_node=2 --max-restarts=<restarts> script args`, one
+    thread per rank, `env` added to the environment. On timeout the whole process group goes
+    (the workers too, not only torchrun) and the test fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **env}
+    env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd.append(f"--max-restarts={restarts}")
     with subprocess.Popen(
         [*cmd, str(script), *args],
         cwd=cwd,
@@ -163,6 +166,43 @@ def test_ddp_resume_repeats_the_uninterrupted_run_exactly(ddp_run, died_run, tmp
     straight = weights(straight_dir)
     for name, tensor in weights(run_dir).items():
         assert torch.equal(tensor, straight[name]), name
+
+
+SEPARATE_STORES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see the test after the next
+
+
+@pytest.mark.parametrize("die_at", [1, 3])  # before the first checkpoint (step 2's), after it
+def test_torchrun_restarts_a_dead_rank_and_the_run_ends_bit_identical(
+    ddp_run, tmp_path, corpus, die_at
+):
+    """With --max-restarts=1, rank 1 dying as step `die_at` begins (first attempt only) does
+    not end the job: torchrun restarts both workers, train.resume=auto takes them on from the
+    last checkpoint (or from step 0), and the job ends with the uninterrupted run's weights, bit
+    for bit. (Without restarts the same death ends the job: the test above.)"""
+    args = [*RUN, *corpus, "train.resume=auto", f"--die-at-step={die_at}"]
+    result = torchrun(
+        WORKER, str(tmp_path / "run"), *args, cwd=tmp_path, restarts=1, **SEPARATE_STORES
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = "resumed from" if die_at > 2 else "no checkpoint yet, so from step 0"
+    assert f"torchrun restart 1: {resumed}" in result.stdout
+    straight = weights(ddp_run[0])
+    for name, tensor in weights(tmp_path / "run").items():
+        assert torch.equal(tensor, straight[name]), name
+
+
+def test_restarts_in_the_store_torchrun_shares_are_refused_before_training(tmp_path, corpus):
+    """Restarted workers that rendezvous through the TCP store torchrun shares with them read
+    their peers' addresses from the attempt before and fail to connect (gloo's "Connection
+    refused"; pytorch issue 135712): every attempt stops at once, saying how to run it."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, *corpus, f"hydra.run.dir={run_dir}"]
+    result = torchrun(ROOT / "train.py", *args, cwd=tmp_path, restarts=1)
+    assert result.returncode != 0
+    needs = "error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    assert result.stderr.count(needs) >= 2  # each attempt: the rank that ended it (the other
+    # says it too, unless torchrun stops it first)
+    assert not (run_dir / "checkpoints").exists()  # stopped before training
 
 
 def test_fsdp_resumes_trains_like_ddp_and_saves_a_checkpoint_one_process_loads(

@@ -3,7 +3,8 @@
     python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K] [--logits FILE]
         [overrides ...]
 
---die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins.
+--die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins, in the job's
+first attempt only (torchrun's restarts, --max-restarts, run on).
 --logits FILE: after training, rank 0 saves the model's logits on a fixed input to FILE (every
 rank runs the forward: under FSDP it is a collective).
 --count-syncs FILE: rank 0 writes, for each step but the last, how many Python-level collectives
@@ -42,7 +43,8 @@ def main() -> None:
         train_step = trainer.train_step
 
         def dying_train_step():
-            if rank == 1 and trainer.state.step + 1 == args.die_at_step:
+            first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+            if first and rank == 1 and trainer.state.step + 1 == args.die_at_step:
                 os._exit(1)
             return train_step()
 
