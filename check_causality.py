@@ -40,7 +40,13 @@ def transformers_model(path: Path) -> tuple[torch.nn.Module, str] | None:
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind in ("gpt2", None):  # ours to convert, or load_source's to refuse
         return None
-    from transformers import AutoModelForCausalLM  # only here: seconds to import
+    try:
+        from transformers import AutoModelForCausalLM  # only here: seconds to import
+    except ImportError:
+        raise ConfigError(
+            f"checkpoint={path} holds a transformers {kind!r} model: checking it needs the "
+            "transformers package (pip install transformers)"
+        ) from None
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)

@@ -60,17 +60,23 @@ CODE = [p for p in CODE if not any(part.startswith(".") for part in p.relative_t
 TOOLS = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
 
 
-# attention=triton's kernel, imported where it runs: its triton comes with a CUDA torch, or with
-# the dev extra for the tests under Triton's interpreter (pyproject.toml)
-KERNEL = ROOT / "model" / "triton_attention.py"
+# Optional imports, each where it runs, each in the dev extra for the tests (pyproject.toml):
+# attention=triton's kernel, whose triton comes with a CUDA torch; and the causality audit of a
+# transformers model, which its user has installed transformers to build
+OPTIONAL = {
+    ROOT / "model" / "triton_attention.py": "triton",
+    ROOT / "model" / "causality.py": "transformers",
+    ROOT / "check_causality.py": "transformers",
+}
 
 
 def test_every_import_of_the_code_is_a_declared_dependency():
     assert len(CODE) > 20 and "regex" in _imports(CODE)  # the scan sees the code
     base = _declared(PROJECT["dependencies"])
-    assert _undeclared([p for p in CODE if p != KERNEL], base) == {}
-    assert _undeclared([KERNEL], base) == {"triton": ["triton"]}  # optional: the dev extra
-    assert _undeclared([KERNEL], base | _declared(PROJECT["optional-dependencies"]["dev"])) == {}
+    assert _undeclared([p for p in CODE if p not in OPTIONAL], base) == {}
+    for path, module in OPTIONAL.items():
+        assert _undeclared([path], base) == {module: [module]}
+        assert _undeclared([path], base | _declared(PROJECT["optional-dependencies"]["dev"])) == {}
 
 
 def test_every_import_of_the_tests_and_benchmarks_is_declared_with_the_dev_extra():
