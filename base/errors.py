@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 class UserError(ValueError):
     """A user's mistake, said in one line: what was wrong and how to fix it. `user_errors` prints
-    these (and a path the user named that is missing or not theirs); anything else is a bug."""
+    these; anything else is a bug (a path the user named becomes one: `user_path`)."""
 
 
 class ConfigError(UserError):
@@ -54,9 +54,6 @@ class DataError(UserError):
     what was wrong and how to fix it."""
 
 
-USER_ERRORS = (UserError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
 def exit_user_error(message: str) -> NoReturn:
     """The one way out for a user mistake: `error: <message>` as one line on stderr, exit 2."""
     print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)
@@ -65,13 +62,34 @@ def exit_user_error(message: str) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A user mistake inside the block exits through `exit_user_error`, without a traceback:
-    a UserError (bad config, data or checkpoint), or a path the user named that is missing or
-    not theirs. Any other exception is a bug, and its traceback shows."""
+    """A user mistake inside the block, a UserError (bad config, data, checkpoint or path),
+    exits through `exit_user_error`, without a traceback. Any other exception is a bug, and its
+    traceback shows: an OSError too, unless it was raised opening a path the user named."""
     try:
         yield
-    except USER_ERRORS as e:
+    except UserError as e:
         exit_user_error(str(e) or type(e).__name__)
+
+
+# missing; not theirs; a directory where a file belongs, or the reverse; a file in mkdir's way
+PATH_ERRORS = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
+
+
+@contextlib.contextmanager
+def user_path(key: str) -> Iterator[None]:
+    """Opening (or making) a path the user named under `key` inside the block: missing, not
+    theirs, or a directory where a file belongs (or the reverse), it is a UserError naming the
+    key, e.g. `data.train_files: No such file or directory: 'corpus.txt'`."""
+    try:
+        yield
+    except PATH_ERRORS as e:
+        raise UserError(f"{key}: {e.strerror}: {str(e.filename)!r}") from None
 
 
 # ----- checks: one message shape for every config value -------------------------------------------

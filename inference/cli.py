@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import tiktoken
 import torch
 
-from base.errors import ConfigError, check, non_negative_int, positive_int, user_errors
+from base.errors import ConfigError, check, non_negative_int, positive_int, user_errors, user_path
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within, text_of
@@ -257,7 +257,10 @@ def continue_text(
         ids = ids[-block_size:]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=generator.device)
     if cfg["attention_plot"]:
-        write_attention_plot(model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"])
+        with user_path("attention_plot"):
+            write_attention_plot(
+                model, tokenizer, ids, cfg["attention_layer"], cfg["attention_plot"]
+            )
         print(f"wrote {cfg['attention_plot']}", file=err)
         if len(ids) == 1:
             print(
@@ -266,7 +269,8 @@ def continue_text(
                 file=err,
             )
     if cfg["formula"]:
-        write_formula(model, tokenizer, ids, cfg, err)
+        with user_path("formula"):
+            write_formula(model, tokenizer, ids, cfg, err)
     live = out.isatty() if stream is None else stream
     if stream and num_samples > 1:
         print(

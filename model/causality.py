@@ -382,6 +382,7 @@ def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> C
     alone = [_run(model, idx[b : b + 1, :n], 0) for b, n in enumerate(lengths)]
     largest, leak, problems = 0.0, None, []
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    greedy |= dict(pad_token_id=0)
     for side in ("left", "right"):
         ids, mask = torch.zeros_like(idx), torch.zeros_like(idx)  # pad id 0: masked anyway
         cols = [slice(T - n, T) if side == "left" else slice(0, n) for n in lengths]
@@ -397,12 +398,10 @@ def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> C
                 versus = f"{side}-padded row {b}'s output at t={{t}} differs from the row alone"
                 leak = dataclasses.replace(found, versus=versus)
         if side == "left":
-            batch = model.generate(ids, attention_mask=mask, pad_token_id=0, **greedy)[:, T:]
+            batch = model.generate(ids, attention_mask=mask, **greedy)[:, T:]
             for b, n in enumerate(lengths):
-                alone_ids, ones = idx[b : b + 1, :n], mask.new_ones(1, n)  # 0 is a token here
-                own = model.generate(alone_ids, attention_mask=ones, pad_token_id=0, **greedy)[
-                    0, n:
-                ]
+                ones = mask.new_ones(1, n)  # 0 is a token here, not padding
+                own = model.generate(idx[b : b + 1, :n], attention_mask=ones, **greedy)[0, n:]
                 if not torch.equal(batch[b], own):
                     problems.append(
                         f"left-padded row {b}'s greedy continuation "

@@ -29,8 +29,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import (
-    USER_ERRORS,
     ConfigError,
+    UserError,
     check,
     defaults_from,
     exit_user_error,
@@ -458,7 +458,7 @@ class RunDirGuard(Callback):
         for n, job in enumerate(BasicSweeper.split_arguments(parsed, None)[0]):  # as it runs them
             try:
                 run_config(compose(config_name=CONFIG_NAME, overrides=job), sweep_dir / str(n), job)
-            except USER_ERRORS as e:  # what user_errors catches
+            except UserError as e:  # what user_errors catches
                 exit_user_error(f"sweep job {n} ({' '.join(job)}): {e}")
         _check_writable(config.hydra.sweep.dir, "hydra.sweep.dir")
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from base.errors import ConfigError, user_errors
+from base.errors import ConfigError, user_errors, user_path
 from tests.conftest import ROOT, run_script
 
 PRESETS = "gpt2, gpt2-large, gpt2-medium, gpt2-xl, mini, nano"
@@ -109,7 +109,7 @@ def test_the_task_runs_in_the_users_environment(tmp_path, users):
     "error, exits",
     [
         (ConfigError("model.n_head must be a positive integer"), True),
-        (FileNotFoundError(2, "No such file or directory", "corpus.txt"), True),
+        (FileNotFoundError(2, "No such file or directory", "corpus.txt"), False),  # a bug's
         (ValueError("a bug: not the user's mistake"), False),  # the project's errors are UserErrors
         (OSError(28, "No space left on device"), False),
         (KeyError("a bug"), False),
@@ -124,6 +124,17 @@ def test_user_errors_catches_the_users_mistakes_only(error, exits, capsys):
     else:
         with pytest.raises(type(error)), user_errors():
             raise error
+
+
+def test_a_path_the_user_named_is_one_line_naming_the_key(tmp_path, capsys):
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(SystemExit) as done, user_errors(), user_path("data.train_files"):
+        missing.read_text()
+    assert done.value.code == 2
+    expected = f"error: data.train_files: No such file or directory: '{missing}'\n"
+    assert capsys.readouterr().err == expected
+    with pytest.raises(FileNotFoundError), user_errors():  # a path no user named: a bug
+        missing.read_text()
 
 
 def test_a_bug_inside_the_trainer_shows_its_traceback(tmp_path):

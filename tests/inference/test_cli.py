@@ -304,6 +304,8 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("formula=x.png attention_layer=5", "error: attention_layer=5 is out of range: use 0 to 1"),
         ("formula=5", "formula must be a file name like formula.png, true (for formula.png) or"),
         ("attention_plot=[a]", "attention_plot must be a file name like attention_plot.png"),
+        ("attention_plot=/dev/null/a.png", "error: attention_plot: File exists: '/dev/null'"),
+        ("formula=/dev/null/f.png", "error: formula: File exists: '/dev/null'"),  # not a folder
     ],
 )
 def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):

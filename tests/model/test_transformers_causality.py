@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import check_causality as check_causality_py
+from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from model.causality import CausalityError, assert_causal, check_causality
-from tests.conftest import run_script, save_tiny_checkpoint
-from tests.model.test_check_causality import run_command
+from tests.conftest import save_tiny_checkpoint
+from tests.model.test_check_causality import command_config, run_command
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
 
@@ -169,21 +171,14 @@ def test_check_causality_py_on_a_mistral_directory_and_a_llama_export_of_ours(tm
 
 
 def test_check_causality_py_refuses_an_encoder_and_our_attention_key(tmp_path):
+    """Each a ConfigError, which check_causality.py prints as one `error:` line, exit code 2."""
     bert = tmp_path / "distilbert"
-    config = transformers.DistilBertConfig(
-        vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32
-    )
+    config = transformers.DistilBertConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2)
     transformers.DistilBertModel(config).save_pretrained(bert)
-    done = run_script("check_causality.py", f"checkpoint={bert}", cwd=tmp_path)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert (
-        "holds a 'distilbert' model that transformers has no causal language model" in done.stderr
-    )
+    encoder = "holds a 'distilbert' model that transformers has no causal language model for"
+    with pytest.raises(ConfigError, match=encoder):
+        check_causality_py.run(command_config(f"checkpoint={bert}"))
     mistral = tmp_path / "mistral"
     tiny("mistral").save_pretrained(mistral)
-    done = run_script(
-        "check_causality.py", f"checkpoint={mistral}", "attention=flash", cwd=tmp_path
-    )
-    assert (
-        done.returncode == 2 and "attention=flash picks one of our implementations" in done.stderr
-    )
+    with pytest.raises(ConfigError, match="^attention=flash picks one of our implementations"):
+        check_causality_py.run(command_config(f"checkpoint={mistral}", "attention=flash"))
