@@ -141,7 +141,7 @@ def verify_prepared(
             files.append(
                 (directory / Path(entry["name"]).name, entry["bytes"], str(entry["sha256"]))
             )
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # meta.json's fields, mistyped
         raise InvalidCache(f"{path} is unreadable or incomplete ({type(e).__name__}: {e})") from e
     if announce is not None and (total := sum(size for _, size, _ in files)) >= ANNOUNCE_BYTES:
         announce(

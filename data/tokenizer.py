@@ -153,7 +153,7 @@ class BPE:
                 raise bad("vocab_size or special_tokens disagree with the merges")
         except DataError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # a field missing or mistyped in the file
             raise bad(f"{type(e).__name__}: {e}") from None
         return bpe
 
