@@ -146,12 +146,8 @@ def load_task(cfg: dict[str, Any], tokenizer: tiktoken.Encoding, block_size: int
     for i, doc in enumerate(ds):
         try:
             context, choices, gold = build(doc)
-        except (
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-        ) as e:  # the item's fields, mistyped
+        # the item's fields missing or mistyped for the task's builder
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(f"task {name}: item {i} is malformed ({type(e).__name__}: {e})") from e
         if not 0 <= gold < len(choices):
             raise DataError(
