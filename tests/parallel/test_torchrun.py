@@ -171,21 +171,29 @@ def test_ddp_resume_repeats_the_uninterrupted_run_exactly(ddp_run, died_run, tmp
 SEPARATE_STORES = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see the test after the next
 
 
-@pytest.mark.parametrize("die_at", [1, 3])  # before the first checkpoint (step 2's), after it
+@pytest.mark.parametrize(
+    "death, resumed",
+    [
+        ("--die-at-step=1", "no checkpoint yet, so from step 0"),  # rank 1, before step 2's
+        ("--die-at-step=3", "resumed from "),  # rank 1, after step 2's checkpoint
+        # rank 0, inside step 4's write of `last`, step 2's moved aside: nothing at its path
+        ("--fault=checkpoint.swap:1", "resumed from "),
+    ],
+)
 def test_torchrun_restarts_a_dead_rank_and_the_run_ends_bit_identical(
-    ddp_run, tmp_path, corpus, die_at
+    ddp_run, tmp_path, corpus, death, resumed
 ):
-    """With --max-restarts=1, rank 1 dying as step `die_at` begins (first attempt only) does
-    not end the job: torchrun restarts both workers, train.resume=auto takes them on from the
-    last checkpoint (or from step 0), and the job ends with the uninterrupted run's weights, bit
-    for bit. (Without restarts the same death ends the job: the test above.)"""
-    args = [*RUN, *corpus, "train.resume=auto", f"--die-at-step={die_at}"]
+    """With --max-restarts=1, a rank dying in the first attempt does not end the job: torchrun
+    restarts both workers, train.resume=auto takes them on from the last complete checkpoint
+    (or from step 0), and the job ends with the uninterrupted run's weights, bit for bit.
+    (Without restarts the same death ends the job: the test above.)"""
+    args = [*RUN, *corpus, "train.resume=auto", death]
     result = torchrun(
         WORKER, str(tmp_path / "run"), *args, cwd=tmp_path, restarts=1, **SEPARATE_STORES
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    resumed = "resumed from" if die_at > 2 else "no checkpoint yet, so from step 0"
     assert f"torchrun restart 1: {resumed}" in result.stdout
+    assert resumed.startswith("no") or "last at step 2" in result.stdout
     straight = weights(ddp_run[0])
     for name, tensor in weights(tmp_path / "run").items():
         assert torch.equal(tensor, straight[name]), name

@@ -5,6 +5,8 @@
 
 --die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins, in the job's
 first attempt only (torchrun's restarts, --max-restarts, run on).
+--fault checkpoint.<stage>:<n>: rank 0 kills itself (SIGKILL) inside its n-th checkpoint write,
+at that stage (tests/faults/zygote.py's `arm`), in the job's first attempt only.
 --logits FILE: after training, rank 0 saves the model's logits on a fixed input to FILE (every
 rank runs the forward: under FSDP it is a collective).
 --count-syncs FILE: rank 0 writes, for each step but the last, how many Python-level collectives
@@ -33,18 +35,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--die-at-step", type=int)
+    parser.add_argument("--fault")
     parser.add_argument("--logits")
     parser.add_argument("--count-syncs")
     args, overrides = parser.parse_known_args()
     trainer = make_trainer(args.run_dir, [], *overrides)
     rank = trainer.dist.rank
 
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    if args.fault and first_attempt and rank == 0:
+        from tests.faults.zygote import arm
+
+        arm(args.fault)
+
     if args.die_at_step is not None:
         train_step = trainer.train_step
 
         def dying_train_step():
-            first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-            if first and rank == 1 and trainer.state.step + 1 == args.die_at_step:
+            if first_attempt and rank == 1 and trainer.state.step + 1 == args.die_at_step:
                 os._exit(1)
             return train_step()
 
