@@ -9,6 +9,7 @@ and budget: `compose_run`, `make_trainer`, `run_script`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +28,12 @@ os.environ["CAUSALGPT_CPU_AUTO_DTYPE"] = "float32"
 # attention=triton's GPU kernel runs under Triton's interpreter, on the CPU tensors the tests use,
 # with or without a GPU (read when model/triton_attention.py defines its kernels: on first use).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# triton itself reads it once, when first imported, and torch imports it on its own (an sdpa
+# backward does): imported here, under the interpreter, so that a test that unsets the variable
+# (tests/model/test_check_causality.py) cannot leave it half-initialised for the kernel tests
+# that run after it in the same worker.
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: E402, F401
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
