@@ -22,7 +22,7 @@ from base.errors import ConfigError, boolean, check, hydra_main, is_int, user_er
 from checkpoints.store import is_hf_dir, load_source
 from hardware.device import resolve_device
 from model import ATTENTION_IMPLS, GPT, GPTConfig
-from model.causality import check_causality, shrunk_config
+from model.causality import check_causality, shrunk_config, undrivable
 from model.gpt import unavailable_attention
 
 GPT2_VOCAB = 50257  # vocab_size: null at full size (only the tokenizer knows it; any size works)
@@ -55,6 +55,10 @@ def transformers_model(path: Path) -> tuple[torch.nn.Module, str] | None:
             f"checkpoint={path} holds a {kind!r} model that transformers has no causal language "
             f"model for (an encoder?): {str(e).splitlines()[0]}"
         ) from None
+    if reason := undrivable(model):
+        raise ConfigError(
+            f"checkpoint={path} holds a {kind!r} model the audit cannot check: {reason}"
+        )
     return model, f"the transformers {kind} model in {path} ({model.config._attn_implementation})"
 
 

@@ -49,10 +49,10 @@ FEATURES = {
         ("trainer/config.py", ["requested_model"]),
         ("model/gpt.py", ["GPT.crop_block_size"]),
     ],
-    "the causality audit of transformers models (span, padding, packing; their dirs)": [
+    "the causality audit of transformers models and functions (span, padding, packing, hooks)": [
         ("model/causality.py", ["is_transformers", "_layers", "_empty_cache", "_windows"]),
         ("model/causality.py", ["attention_span_check", "padding_check", "packing_check"]),
-        ("model/causality.py", ["audit_transformers"]),
+        ("model/causality.py", ["undrivable", "audit_transformers", "audit_function"]),
         ("check_causality.py", ["transformers_model"]),
     ],
     "causality proofs, the guard before training, check_causality.py": [

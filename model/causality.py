@@ -27,8 +27,9 @@ before it is clean, and its input is built from them.
 
 `check_causality(model)` runs every check on our GPT in eval and train mode (dropout masks
 reseeded) with each attention implementation, and on a transformers model (`audit_transformers`)
-the checks above in eval mode with its own attention; `assert_causal(model)` raises with the
-localised report, and takes any function of ids to logits too (the perturbation check);
+the checks above in eval mode with its own attention, and on any function of ids to logits
+(`audit_function`) perturbation, and kv-cache and padding through the hooks it declares;
+`assert_causal(model)` raises with the localised report;
 `shrunk_config(model_values)` is an architecture at tiny sizes (train.py's guard checks one).
 """
 
@@ -150,11 +151,12 @@ def is_transformers(model: Audited) -> bool:
     return hasattr(model, "get_decoder") and hasattr(model, "config")
 
 
-def _layers(model: nn.Module) -> nn.ModuleList:
-    """A transformers model's decoder layers: its decoder's list of num_hidden_layers modules."""
+def _layers(model: nn.Module) -> nn.ModuleList | None:
+    """A transformers model's decoder layers: its decoder's list of num_hidden_layers modules
+    (None: it has none)."""
     n = model.config.num_hidden_layers
-    found = (m for m in model.get_decoder().children() if isinstance(m, nn.ModuleList))
-    return next(m for m in found if len(m) == n)
+    found = (m for m in model.get_decoder().modules() if isinstance(m, nn.ModuleList))
+    return next((m for m in found if len(m) == n), None)
 
 
 def _watched(model: Audited) -> dict[nn.Module, str]:
@@ -179,7 +181,7 @@ def _logits(model: Audited, idx: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return model(idx, **kwargs)[0]
     if is_transformers(model):
         return model(input_ids=idx, **kwargs).logits
-    return model(idx)
+    return model(idx, **kwargs)  # a function: its own hooks' keywords (cache, attention_mask)
 
 
 def _run(model: Audited, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs:
@@ -188,8 +190,11 @@ def _run(model: Audited, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs
     watched, outputs = _watched(model), {}
 
     def record(module: nn.Module, args: Any, out: Any) -> None:
-        if module in watched:  # a global hook: every module of every model calls it
-            outputs[watched[module]] = out[0] if isinstance(out, tuple) else out  # attn: (y, S)
+        if module not in watched:  # a global hook: every module of every model calls it
+            return
+        out = out[0] if isinstance(out, tuple) else out  # attn: (y, S)
+        if out.shape[:2] == idx.shape:  # (B, T, ...): not OPT's fc1 on flattened rows
+            outputs[watched[module]] = out
 
     with register_module_forward_hook(record), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -282,18 +287,18 @@ def jacobian_check(model: GPT | nn.Module, idx: torch.Tensor, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def kv_cache_check(model: GPT | nn.Module, idx: torch.Tensor) -> CheckResult:
-    """Decode idx through the model's KV cache (ours, or a transformers DynamicCache, which
-    keeps a sliding window's last keys only), a third as a prefill, then a chunk of at least 2
-    tokens over the cache, then one token at a time: every watched output must equal the full
-    forward's within 1e-5 times its scale (rounding: < 5e-7; rope positions off after the
-    prefill: > 1e-4). Eval mode."""
+def kv_cache_check(model: Audited, idx: torch.Tensor, cache: Any = None) -> CheckResult:
+    """Decode idx through the model's KV cache (ours, a transformers DynamicCache, which keeps
+    a sliding window's last keys only, or a function's `cache`, given empty), a third as a
+    prefill, then a chunk of at least 2 tokens over the cache, then one token at a time: every
+    watched output must equal the full forward's within 1e-5 times its scale (rounding: < 5e-7;
+    rope positions off after the prefill: > 1e-4). Eval mode."""
     B, T = idx.shape
     full = _run(model, idx, seed=0)
     prefill = max(1, T // 3)
     chunk = min(T, prefill + max(2, T // 3))
     bounds = sorted({0, prefill, chunk, *range(chunk + 1, T + 1)})  # each call's [start, end)
-    cache = _empty_cache(model, B, T)
+    cache = _empty_cache(model, B, T) if cache is None else {"cache": cache}
     parts = [_run(model, idx[:, a:b], 0, **cache) for a, b in itertools.pairwise(bounds)]
     cached = {key: torch.cat([p[key] for p in parts], dim=1) for key in full}
     largest = (cached["logits"] - full["logits"]).abs().max().item()
@@ -335,7 +340,7 @@ def attention_span_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
     Each layer's attention input is made a leaf, so a layer is judged on its own mask alone."""
     T = idx.size(1)
     attentions = [
-        next(c for n, c in layer.named_children() if "attn" in n) for layer in _layers(model)
+        next(c for n, c in layer.named_children() if "att" in n) for layer in _layers(model)
     ]
     inputs, outputs = {}, {}
 
@@ -356,7 +361,11 @@ def attention_span_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     for i, (attn, window) in enumerate(zip(attentions, _windows(model.config), strict=True)):
         out, x = outputs[attn], inputs[attn]
-        rows = [torch.autograd.grad(out[:, t].sum(), x, retain_graph=True)[0] for t in range(T)]
+        w = torch.randn(out.shape[-1], generator=torch.Generator().manual_seed(i)).to(out)
+        # a random direction, not the sum: a sum after a LayerNorm (BERT's) has no gradient
+        rows = [
+            torch.autograd.grad((out[:, t] @ w).sum(), x, retain_graph=True)[0] for t in range(T)
+        ]
         grads = torch.stack(rows).abs().amax(dim=(1, 3)).cpu()  # (T, T): [t, s] from (T, B, T, C)
         allowed = causal if window is None else causal & ~causal.tril(-window)
         span = "causal" if window is None else f"window {window}"
@@ -374,10 +383,12 @@ def attention_span_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
 @torch.no_grad()
 def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> CheckResult:
     """Every other row cut to half its length, the batch padded left and then right, with the
-    attention mask (and, left, the position ids generate gives: the mask's cumulative sum):
-    each row's outputs at its tokens must equal its own alone within 1e-5 of their scale, and
-    left-padded, generate's greedy continuation of `new_tokens` must be the row's alone."""
+    attention mask (and for transformers, left, the position ids generate gives: the mask's
+    cumulative sum; a function derives its own): each row's outputs at its tokens must equal
+    its own alone within 1e-5 of their scale, and for transformers, left-padded, generate's
+    greedy continuation of `new_tokens` must be the row's alone."""
     B, T = idx.shape
+    hf = is_transformers(model)
     lengths = [T - (b % 2) * (T // 2) for b in range(B)]
     alone = [_run(model, idx[b : b + 1, :n], 0) for b, n in enumerate(lengths)]
     largest, leak, problems = 0.0, None, []
@@ -388,8 +399,8 @@ def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> C
         cols = [slice(T - n, T) if side == "left" else slice(0, n) for n in lengths]
         for b, (n, c) in enumerate(zip(lengths, cols, strict=True)):
             ids[b, c], mask[b, c] = idx[b, :n], 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        batched = _run(model, ids, 0, attention_mask=mask, position_ids=position_ids)
+        positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        batched = _run(model, ids, 0, attention_mask=mask, **positions if hf else {})
         for b, (n, c) in enumerate(zip(lengths, cols, strict=True)):
             row = {name: out[b : b + 1, c] for name, out in batched.items()}
             largest = max(largest, (row["logits"] - alone[b]["logits"]).abs().max().item())
@@ -397,7 +408,7 @@ def padding_check(model: nn.Module, idx: torch.Tensor, new_tokens: int = 3) -> C
             if leak is None and found is not None:
                 versus = f"{side}-padded row {b}'s output at t={{t}} differs from the row alone"
                 leak = dataclasses.replace(found, versus=versus)
-        if side == "left":
+        if side == "left" and hf:
             batch = model.generate(ids, attention_mask=mask, **greedy)[:, T:]
             for b, n in enumerate(lengths):
                 ones = mask.new_ones(1, n)  # 0 is a token here, not padding
@@ -434,17 +445,28 @@ def packing_check(model: nn.Module, idx: torch.Tensor) -> CheckResult:
     return CheckResult("packing", "difference from the document alone", T, largest, leak)
 
 
+def undrivable(model: nn.Module) -> str | None:
+    """Why the checks cannot run on a transformers model (None: they can): not a causal LM, an
+    attention not causal by design, a cache that is not keys and values, no layers found."""
+    if not model.can_generate() or getattr(model.config, "is_encoder_decoder", False):
+        return "it is not a causal language model (an encoder or an encoder-decoder)"
+    if model._is_stateful or not model._supports_default_dynamic_cache():
+        return "it keeps a recurrent state, not a cache of keys and values (the audit's)"
+    if names := [n for n, m in model.named_modules() if getattr(m, "is_causal", True) is False]:
+        return f"its attention is not causal by design ({names[0]}.is_causal=False): an encoder"
+    if _layers(model) is None:
+        return f"its decoder has no list of num_hidden_layers={model.config.num_hidden_layers}"
+    return None
+
+
 def audit_transformers(
     model: nn.Module, seq_len: int = 8, batch_size: int = 2, seed: int = 0
 ) -> CausalityReport:
     """Every check on a transformers causal LM, with its own attention implementation, in eval
     mode (put back after): perturbation, jacobian, kv-cache, attention-span, padding, packing.
-    An encoder (nothing to generate with) is refused in one line."""
-    if not model.can_generate() or getattr(model.config, "is_encoder_decoder", False):
-        raise ConfigError(
-            f"{type(model).__name__} is not a causal language model (an encoder "
-            "or an encoder-decoder): load it with AutoModelForCausalLM"
-        )
+    A model the checks cannot drive is refused in one line (`undrivable`)."""
+    if reason := undrivable(model):
+        raise ConfigError(f"{type(model).__name__} cannot be audited: {reason}")
     idx = random_tokens(model, seq_len, batch_size, seed)
     impl = model.config._attn_implementation
     with eval_mode(model):
@@ -513,20 +535,39 @@ def check_causality(
     return CausalityReport(checks)
 
 
+def audit_function(
+    fn: LanguageModel,
+    seq_len: int = 8,
+    batch_size: int = 2,
+    seed: int = 0,
+    vocab_size: int = 64,
+    new_cache: Callable[[int, int], Any] | None = None,
+    attention_mask: bool = False,
+) -> CausalityReport:
+    """The checks a function of ids (B, T) -> logits (B, T, V) takes (your own model's forward),
+    on random ids, in eval mode if it is a module: perturbation; kv-cache when `new_cache(
+    batch_size, max_len)` makes an empty cache of yours that `fn(ids, cache=cache)` decodes
+    through, each call continuing from what it holds; padding with `attention_mask=True`:
+    `fn(ids, attention_mask=mask)`, mask (B, T) 1 at a token, 0 at a pad (positions are yours
+    to derive from it)."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
+    mode = eval_mode(fn) if isinstance(fn, nn.Module) else contextlib.nullcontext()
+    with mode:
+        found = [perturbation_check(fn, idx, seed)]
+        if new_cache is not None:
+            found.append(kv_cache_check(fn, idx, cache=new_cache(batch_size, seq_len)))
+        if attention_mask:
+            found.append(padding_check(fn, idx))
+    return CausalityReport(found)
+
+
 def assert_causal(model: Audited, **kwargs: Any) -> None:
     """Raise CausalityError, with where each leak enters, unless every check passes. One line
-    in a test suite: `assert_causal(GPT(config))`, or a transformers causal LM; kwargs: those of
-    check_causality. Any other
-    function of ids (B, T) -> logits (B, T, V), your own model's forward, gets the perturbation
-    check on random ids (kwargs: seq_len, batch_size, seed, vocab_size): no logit at t may move
-    when a token after t changes, and the first position that does is named."""
-    if not isinstance(model, GPT) and not is_transformers(model):
-        T, B, seed = kwargs.get("seq_len", 8), kwargs.get("batch_size", 2), kwargs.get("seed", 0)
-        gen = torch.Generator().manual_seed(seed)
-        idx = torch.randint(0, kwargs.get("vocab_size", 64), (B, T), generator=gen)
-        report = CausalityReport([perturbation_check(model, idx, seed)])
-    else:
-        report = check_causality(model, **kwargs)
+    in a test suite: `assert_causal(GPT(config))`, or a transformers causal LM (kwargs: those
+    of check_causality), or any function of ids to logits (kwargs: audit_function's hooks)."""
+    audit = check_causality if isinstance(model, GPT) or is_transformers(model) else audit_function
+    report = audit(model, **kwargs)
     if not report.causal:
         raise CausalityError("the model is not causal:\n" + "\n".join(report.failures()))
 

@@ -18,6 +18,7 @@ from inference import batching
 from inference.batching import Batcher, Job, RaggedKVCache
 from inference.generate import SamplingParams, TextStream, TokenContext, next_token, stream_tokens
 from model import GPT, GPTConfig
+from model.causality import CausalityError, assert_causal, audit_function
 from tests.conftest import tiny_config
 from tests.model.conftest import ARCHITECTURES, random_projections
 
@@ -243,6 +244,53 @@ def test_ragged_rows_each_match_their_own_full_forward(attention, options):
                     cache.move(len(rows) - 1, i)
                     rows[i] = rows[-1]
                     rows.pop()
+
+
+def ragged_decoding(model: GPT, ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """The server's batched decoding as a function of padded ids (B, T) -> logits (B, T, V),
+    for the audit's padding check: each row's tokens (mask 1) in a row of one RaggedKVCache,
+    the first half prefilled alone, then every unfinished row decoded together, one token a
+    step, each at its own position (longest first: the unfinished rows stay a prefix)."""
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    rows = [ids[b][mask[b].bool()] for b in range(len(ids))]
+    order = sorted(range(len(rows)), key=lambda b: -len(rows[b]))
+    done = [(len(row) + 1) // 2 for row in rows]  # each row's prompt: half of it
+    cache = model.new_kv_cache(batch_size=len(rows), kind=RaggedKVCache)
+    out: list[list[torch.Tensor]] = [[] for _ in rows]
+    for i, b in enumerate(order):
+        cache.rows = slice(i, i + 1)
+        out[b].append(model(rows[b][None, : done[b]], cache=cache)[0][0])  # (prompt, V)
+    while live := [b for b in order if done[b] < len(rows[b])]:
+        cache.rows = slice(0, len(live))
+        step = model(torch.stack([rows[b][done[b] : done[b] + 1] for b in live]), cache=cache)
+        for i, b in enumerate(live):
+            out[b].append(step[0][i])  # (1, V)
+            done[b] += 1
+    logits = torch.zeros(*ids.shape, out[0][0].size(-1))
+    for b, row in enumerate(out):
+        logits[b, mask[b].bool()] = torch.cat(row)
+    return logits
+
+
+def test_ragged_batches_pass_the_audits_padding_check_and_a_late_mask_fails_it(monkeypatch):
+    """Issue 57 item 3: our server's batched decoding through the same padding check as a
+    transformers model's, rows of two lengths padded left and right. Each row gets what it gets
+    alone; a RaggedKVCache whose mask follows the longest row (shorter rows see the empty keys
+    past their end) fails it, at the first position that moves."""
+    torch.manual_seed(0)
+    model = random_projections(GPT(tiny_config(attention="sdpa"))).eval()
+    decode = functools.partial(ragged_decoding, model)
+    report = audit_function(decode, vocab_size=101, attention_mask=True, seq_len=12)
+    assert report.causal and report.checks[1].name == "padding", str(report)
+    assert report.checks[1].largest < 1e-5, str(report)
+
+    def longest_rows_mask(self, causal_mask, T):
+        positions = self.lengths[self.rows].max() + torch.arange(T)  # every row at the longest
+        return causal_mask[positions, : int(positions.max()) + 1][None, None]
+
+    monkeypatch.setattr(RaggedKVCache, "allowed", longest_rows_mask)
+    with pytest.raises(CausalityError, match="padding: leak: logits: left-padded row 1's output"):
+        assert_causal(decode, vocab_size=101, attention_mask=True, seq_len=12)
 
 
 def test_batched_decoding_refuses_flash_attention():

@@ -20,6 +20,7 @@ from model import GPT, GPTConfig
 from model.causality import (
     CausalityError,
     assert_causal,
+    audit_function,
     check_causality,
     jacobian_check,
     perturbation_check,
@@ -202,3 +203,55 @@ def test_the_docs_own_model_passes_and_its_maskless_twin_is_caught_where_it_leak
     exec(compile(passes[0], "docs/model.md", "exec"), namespace)  # the masked model passes
     with pytest.raises(CausalityError, match=re.escape(expected)):
         namespace["assert_causal"](namespace["TinyLM"](mask=False))
+
+
+class CachedLM(torch.nn.Module):
+    """One head of attention with learned positions, a cache of its own (past keys and values in
+    a dict) and an attention mask, for audit_function's hooks; `bug` plants one: "cache" puts
+    the tokens after a prefill one position too far, "mask" reads positions from the mask but
+    lets every query see the pads."""
+
+    def __init__(self, bug: str | None = None, vocab: int = 64, dim: int = 16):
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(32, dim)
+        self.qkv, self.head = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab)
+        self.bug, self.dim = bug, dim
+
+    def new_cache(self, batch_size: int, max_len: int) -> dict[str, torch.Tensor]:
+        return {kv: torch.zeros(batch_size, 0, self.dim) for kv in "kv"}
+
+    def forward(self, idx, cache=None, attention_mask=None):
+        mask = torch.ones_like(idx) if attention_mask is None else attention_mask  # (B, T)
+        past = 0 if cache is None else cache["k"].size(1)
+        past += self.bug == "cache" and past > 0
+        positions = past + (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        q, k, v = self.qkv(self.emb(idx) + self.pos(positions)).chunk(3, dim=-1)
+        if cache is not None:
+            k = cache["k"] = torch.cat([cache["k"], k], dim=1)  # (B, L, dim)
+            v = cache["v"] = torch.cat([cache["v"], v], dim=1)
+        T, L = idx.size(1), k.size(1)
+        allowed = torch.ones(T, L, dtype=torch.bool).tril(L - T)  # (T, L)
+        if attention_mask is not None and self.bug != "mask":  # pads hidden; each sees itself
+            allowed = (allowed & mask[:, None].bool()) | torch.eye(T, dtype=torch.bool)
+        scores = (q @ k.transpose(1, 2) / self.dim**0.5).masked_fill(~allowed, float("-inf"))
+        return self.head(scores.softmax(-1) @ v)  # (B, T, vocab)
+
+
+def test_a_functions_cache_and_mask_hooks_get_the_kv_cache_and_padding_checks():
+    """Issue 57 item 1: a model of one's own, not ours, declares its cache and its attention
+    mask; the audit decodes through the one and pads left and right with the other. It passes,
+    and each planted bug fails the check that covers it, at the logits' first moved position."""
+    torch.manual_seed(0)
+    model = CachedLM()
+    hooks = dict(new_cache=model.new_cache, attention_mask=True)
+    report = audit_function(model, **hooks)
+    assert [c.name for c in report.checks] == ["perturbation", "kv-cache", "padding"], str(report)
+    assert report.causal and report.checks[1].largest < 1e-6, str(report)
+    assert_causal(model, **hooks)
+    with pytest.raises(
+        CausalityError, match="kv-cache: leak: logits: cached output at t=2 differs"
+    ):
+        assert_causal(CachedLM(bug="cache"), **hooks)  # prefill 2, then positions one off
+    with pytest.raises(CausalityError, match="padding: leak: logits: left-padded row 1's output"):
+        assert_causal(CachedLM(bug="mask"), **hooks)
+    assert audit_function(CachedLM(bug="mask")).causal  # no mask asked for: nothing to see

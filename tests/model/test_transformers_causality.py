@@ -12,7 +12,7 @@ import check_causality as check_causality_py
 from base.errors import ConfigError
 from checkpoints.export import export_checkpoint
 from model.causality import CausalityError, assert_causal, check_causality
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import ROOT, save_tiny_checkpoint
 from tests.model.test_check_causality import command_config, run_command
 
 transformers = pytest.importorskip("transformers")  # a declared dev dependency; CI installs it
@@ -182,3 +182,48 @@ def test_check_causality_py_refuses_an_encoder_and_our_attention_key(tmp_path):
     tiny("mistral").save_pretrained(mistral)
     with pytest.raises(ConfigError, match="^attention=flash picks one of our implementations"):
         check_causality_py.run(command_config(f"checkpoint={mistral}", "attention=flash"))
+
+
+def test_the_audit_refuses_in_one_line_what_it_cannot_drive(tmp_path):
+    """BERT without is_decoder (its attention says is_causal=False) and Mamba (a recurrent
+    state, no keys and values to cache): a ConfigError each, which check_causality.py prints as
+    one line; BERT as a decoder is audited, and passes all but packing (below)."""
+    bert = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    bert |= dict(intermediate_size=32)
+    encoder = transformers.BertLMHeadModel(transformers.BertConfig(**bert))
+    with pytest.raises(
+        ConfigError,
+        match=r"^BertLMHeadModel cannot be audited: its attention is "
+        r"not causal by design \(bert.encoder.layer.0.attention.self.is_causal",
+    ):
+        check_causality(encoder)
+    decoder = transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True))
+    assert check_causality(decoder).failures()[0].startswith("sdpa packing: leak: layer 0 ")
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2)
+    mamba = tmp_path / "mamba"
+    transformers.MambaForCausalLM(config).save_pretrained(mamba)
+    recurrent = f"^checkpoint={mamba} holds a 'mamba' model the audit cannot check: it keeps a "
+    recurrent += "recurrent state, not a cache"
+    with pytest.raises(ConfigError, match=recurrent):
+        check_causality_py.run(command_config(f"checkpoint={mamba}"))
+
+
+def test_the_docs_opt_repro_and_the_audits_packing_check_agree():
+    """docs/model.md's repro, run as it is there: OPT's packed document sees the one before it
+    (Llama's does not), and the audit's packing check says the same of each, at the first
+    attention."""
+    doc = (ROOT / "docs" / "model.md").read_text()
+    code = doc.split("A repro\n(tests/model/test_transformers_causality.py")[1]
+    code = code.split("```python\n")[1].split("```")[0]
+    printed = {}
+    exec(compile(code, "docs/model.md", "exec"), {"print": lambda k, v: printed.update({k: v})})
+    assert printed["LlamaForCausalLM"] == 0
+    sizes = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(**sizes, ffn_dim=32, word_embed_proj_dim=16)
+    failures = check_causality(transformers.OPTForCausalLM(config).eval()).failures()
+    leak = "sdpa packing: leak: layer 0 self_attn: packed document 1's output at t=0 differs"
+    if printed["OPTForCausalLM"] > 0:  # transformers 5.24: its mask is built without them
+        assert len(failures) == 1 and failures[0].startswith(leak), failures
+    else:  # a transformers that reads them: the audit must pass it
+        assert failures == []
