@@ -499,6 +499,14 @@ class Trainer:
             self.progress.message(restart + resumed)
         elif restart:  # before the first checkpoint: all over again
             self.progress.message(restart + "no checkpoint yet, so from step 0")
+        if restart:  # what it cost, in the log and in the first row after it
+            repeated, quiet = self.metrics.repeated, self.metrics.quiet_for
+            self.progress.message(
+                f"torchrun restart {self.dist.restart}: {repeated} logged steps to do again; "
+                f"{quiet:.1f} s since the last metrics row"
+            )
+            cost = {"restart": self.dist.restart, "restart/repeated_steps": repeated}
+            self._record(cost | {"restart/seconds_since_last_row": quiet}, self.state.step + 1)
         self.progress.start(self.state.step)
 
     def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:

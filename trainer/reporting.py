@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shlex
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,10 @@ def format_bytes(n: float) -> str:
 # can arrive in several calls (training, then its evaluation); its row is written, flushed and
 # fsynced once the next step begins or the run ends, so a kill loses at most that last row. A line
 # torn by a kill is ignored when the file is read, and a resumed run drops the rows after its
-# checkpoint's step (it will log them again): the file never holds a step twice.
+# checkpoint's step (it will log them again): the file never holds a step twice. A run torchrun
+# restarted says so in the first row after the resume: `restart` (its count),
+# `restart_repeated_steps` (logged before the failure, done again) and
+# `restart_seconds_since_last_row` (the failure, the start-up and the load together).
 #
 # loss.png plots train and val loss against tokens seen, with val bpb on a second axis, and the
 # accuracies of train.eval_tasks in a panel below; it is redrawn at each evaluation and at the
@@ -109,10 +113,17 @@ class MetricsLog:
         self.tokens_per_step = tokens_per_step
         self.enabled = enabled
         self._pending = StepRows(self._write)  # the current step's values, not yet written
+        # What a resume repeats: the steps logged past `step`, and the seconds since the last
+        # row (a restarted run says both).
+        self.repeated, self.quiet_for = 0, 0.0
         if not enabled:
             return
+        rows = read_metrics(self.path)
+        if rows:
+            self.repeated = max(0, max(r["step"] for r in rows) - step)
+            self.quiet_for = time.time() - self.path.stat().st_mtime
         # Drop a torn line and the steps a resume will repeat.
-        text = "".join(json.dumps(r) + "\n" for r in read_metrics(self.path) if r["step"] <= step)
+        text = "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
         if self.path.exists() and self.path.read_text(encoding="utf-8") != text:
             write_atomic(self.path, text)
 

@@ -30,6 +30,7 @@ from tests.conftest import (
     write_jsonl,
 )
 from tests.parallel.worker import PROBE
+from trainer.reporting import METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -194,6 +195,13 @@ def test_torchrun_restarts_a_dead_rank_and_the_run_ends_bit_identical(
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"torchrun restart 1: {resumed}" in result.stdout
     assert resumed.startswith("no") or "last at step 2" in result.stdout
+    start = 0 if resumed.startswith("no") else 2
+    rows = [r for r in read_metrics(tmp_path / "run" / METRICS_FILE) if "restart" in r]
+    repeated = {"--die-at-step=1": 0, "--die-at-step=3": 0}.get(death, 1)  # swap: step 3's row
+    assert [(r["step"], r["restart"], r["restart_repeated_steps"]) for r in rows] == [
+        (start + 1, 1, repeated)
+    ]
+    assert f"torchrun restart 1: {repeated} logged steps to do again; " in result.stdout
     straight = weights(ddp_run[0])
     for name, tensor in weights(tmp_path / "run").items():
         assert torch.equal(tensor, straight[name]), name
