@@ -14,7 +14,9 @@ forward with targets, which keeps no (B, T, vocab) logits through backward (issu
 - padded vocab: 50304 rows (nanoGPT's padding: aligned matmuls in the head), with sdpa;
 - manual, triton, flash: that attention instead of sdpa (triton: our Triton kernel; flash: our
   tiled PyTorch FlashAttention, the memory-linear teaching version, far slower);
-- muon: optim=muon (Newton-Schulz on every matrix, on every rank).
+- muon: optim=muon (Newton-Schulz on every matrix, on every rank);
+- no clipping: the padded cell without clip_grad_norm_, as nanoGPT's bench.py steps (its graph
+  is ours, operation for operation: benchmarks/bench_graph.py), so the two loops compare.
 A cell that runs out of memory prints OOM; one that fails, the last line of its error.
 """
 
@@ -34,6 +36,7 @@ CELLS = {
     "triton attention": dict(vocab=50304, attention="triton"),
     "flash attention": dict(vocab=50304, attention="flash"),
     "muon": dict(vocab=50304, optim="muon"),
+    "padded vocab, no clipping": dict(vocab=50304, clip=False),
 }
 
 
@@ -68,7 +71,8 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
         with precision.autocast():
             _, loss = step_model(x, x)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cell.get("clip", True):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":

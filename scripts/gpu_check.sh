@@ -7,7 +7,7 @@
 #   attention.md  attention alone, forward, backward and both, every backend side by side: head
 #                 sizes 64 and 128, T = 1,024 and 16,384 (benchmarks/bench_attention.py)
 #   nanogpt.md    nanoGPT's own bench.py, unchanged, from ../shared/anchors/nanoGPT (or $NANOGPT)
-#   step.md       GPT-2 124M's compiled training step: sdpa, padded vocabulary, triton
+#   step.md       GPT-2 124M's compiled training step: sdpa (padded vocabulary), unclipped, triton
 #                 (benchmarks/bench_gpu.py)
 #   isolation.md  the page's views beside batched decoding on the device, float32 and bfloat16,
 #                 each answer the view's alone (tests/inference/test_isolation.py, issue 56)
@@ -31,7 +31,7 @@ mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
 PYTHON=${PYTHON:-python}
 NANOGPT=${NANOGPT:-$ROOT/../shared/anchors/nanoGPT}
-STEP_CELLS=("baseline (vocab 50257)" "padded vocab 50304" "triton attention")
+STEP_CELLS=("padded vocab 50304" "padded vocab, no clipping" "triton attention")
 if ((SMOKE)); then
   export TRITON_INTERPRET=1
   KERNEL=(--device cpu --head-sizes 16 --lengths 40)
