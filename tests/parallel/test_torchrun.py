@@ -207,6 +207,32 @@ def test_torchrun_restarts_a_dead_rank_and_the_run_ends_bit_identical(
         assert torch.equal(tensor, straight[name]), name
 
 
+def test_a_stop_asked_of_torchrun_is_not_restarted_and_resumes_bit_identical(
+    ddp_run, tmp_path, corpus
+):
+    """SIGTERM to torchrun (what Ctrl-C, kill and scancel send) as step 2 begins, with
+    --max-restarts=1: torchrun passes it to the workers, which stop together after a step and
+    save `last`; the job ends non-zero and is not restarted. The command it prints, run under
+    torchrun, ends with the uninterrupted run's weights, bit for bit."""
+    run = tmp_path / "run"
+    args = [*RUN, *corpus, "train.resume=auto"]
+    result = torchrun(
+        WORKER, str(run), *args, "--stop-at-step=2", cwd=tmp_path, restarts=1, **SEPARATE_STORES
+    )
+    assert result.returncode != 0 and "torchrun restart" not in result.stdout + result.stderr
+    stopped = load_checkpoint(run / "checkpoints" / "last").meta["step"]
+    assert 2 <= stopped < 4, stopped
+    assert f"stopped by SIGTERM at step {stopped}; checkpoint saved to " in result.stderr
+    assert f"Resume with: torchrun <flags> {ROOT / 'train.py'} hydra.run.dir={run} " in (
+        result.stderr
+    )
+    resumed = torchrun(WORKER, str(run), *args, cwd=tmp_path)
+    assert resumed.returncode == 0 and f"at step {stopped}" in resumed.stdout, resumed.stderr
+    straight = weights(ddp_run[0])
+    for name, tensor in weights(run).items():
+        assert torch.equal(tensor, straight[name]), name
+
+
 def test_restarts_in_the_store_torchrun_shares_are_refused_before_training(tmp_path, corpus):
     """Restarted workers that rendezvous through the TCP store torchrun shares with them read
     their peers' addresses from the attempt before and fail to connect (gloo's "Connection

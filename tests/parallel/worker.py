@@ -1,10 +1,12 @@
 """A torchrun worker for the tests: trains like train.py, and can die or record logits.
 
-    python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K] [--logits FILE]
-        [overrides ...]
+    python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K] [--stop-at-step K]
+        [--logits FILE] [overrides ...]
 
 --die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins, in the job's
 first attempt only (torchrun's restarts, --max-restarts, run on).
+--stop-at-step K: rank 0 sends torchrun (its parent) SIGTERM as step K begins, in the first
+attempt only: the user's stop (Ctrl-C, kill, scancel) at an exact point.
 --fault checkpoint.<stage>:<n>: rank 0 kills itself (SIGKILL) inside its n-th checkpoint write,
 at that stage (tests/faults/zygote.py's `arm`), in the job's first attempt only.
 --logits FILE: after training, rank 0 saves the model's logits on a fixed input to FILE (every
@@ -20,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--die-at-step", type=int)
+    parser.add_argument("--stop-at-step", type=int)
     parser.add_argument("--fault")
     parser.add_argument("--logits")
     parser.add_argument("--count-syncs")
@@ -48,15 +52,16 @@ def main() -> None:
 
         arm(args.fault)
 
-    if args.die_at_step is not None:
-        train_step = trainer.train_step
+    train_step = trainer.train_step
 
-        def dying_train_step():
-            if first_attempt and rank == 1 and trainer.state.step + 1 == args.die_at_step:
-                os._exit(1)
-            return train_step()
+    def faulty_train_step():
+        if first_attempt and trainer.state.step + 1 == args.die_at_step and rank == 1:
+            os._exit(1)
+        if first_attempt and trainer.state.step + 1 == args.stop_at_step and rank == 0:
+            os.kill(os.getppid(), signal.SIGTERM)
+        return train_step()
 
-        trainer.train_step = dying_train_step
+    trainer.train_step = faulty_train_step
 
     if args.count_syncs:
         count_syncs(trainer, Path(args.count_syncs))
