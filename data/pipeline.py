@@ -33,7 +33,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -208,6 +208,37 @@ def encode_conversations(batch: dict[str, list], enc: tiktoken.Encoding) -> dict
     }
 
 
+def encoded_batches(
+    docs: Dataset | IterableDataset, tokenizer: str, tokenizer_dir: Path, num_proc: int
+) -> Iterator[dict[str, Any]]:
+    """``docs`` encoded (`encode_documents`), a batch at a time: a large finite dataset by
+    ``num_proc`` processes; small ones and streams by ``num_proc`` tokenizer threads in this
+    process."""
+    from datasets import Dataset
+
+    big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
+    multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
+    threads = 1 if multiprocess else num_proc
+    if not big:  # in this process, with `threads` tokenizer threads
+        for batch in docs.iter(batch_size=MAP_BATCH_SIZE):
+            yield encode_documents(batch, tokenizer, tokenizer_dir, threads)
+        return
+    # through datasets.map, for its worker processes and its progress bar (a small split's bar
+    # would only add noise to the console's one summary line per split), on a terminal: in a
+    # log, the bar is one long line of carriage returns
+    kwargs = {"tokenizer": tokenizer, "tokenizer_dir": tokenizer_dir, "num_threads": threads}
+    with progress_bars(sys.stderr.isatty()):
+        tokenized = docs.map(
+            encode_documents,
+            batched=True,
+            batch_size=MAP_BATCH_SIZE,
+            fn_kwargs=kwargs,
+            remove_columns=docs.column_names,
+            **({"num_proc": num_proc} if multiprocess else {}),
+        )
+    yield from tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
+
+
 def write_split(
     docs: Dataset | IterableDataset,
     path: Path,
@@ -217,40 +248,16 @@ def write_split(
     max_tokens: int | None = None,
     mask_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Write the concatenated tokens of ``docs`` to ``path``, hashing them on the way (no second
-    pass over the file); stop after the document that reaches ``max_tokens``. A large finite
-    dataset is tokenized by ``num_proc`` processes; small ones and streams use ``num_proc``
-    tokenizer threads in this process. A trained tokenizer is read from ``tokenizer_dir``.
-    A chat split (``docs`` of conversations) also writes ``mask_path`` (one byte per token: 1
-    on assistant tokens) and counts the conversations it skips, by reason. Returns the split's
-    tokens, bytes, documents, seconds and sha256 (and mask_sha256, skipped)."""
-    from datasets import Dataset
-
+    """Write the concatenated tokens of ``docs`` (`encoded_batches`) to ``path``, hashing them on
+    the way (no second pass over the file); stop after the document that reaches ``max_tokens``.
+    A trained tokenizer is read from ``tokenizer_dir``. A chat split (``docs`` of conversations)
+    also writes ``mask_path`` (one byte per token: 1 on assistant tokens) and counts the
+    conversations it skips, by reason. Returns the split's tokens, bytes, documents, seconds and
+    sha256 (and mask_sha256, skipped)."""
     start = time.perf_counter()
     chat = mask_path is not None
     dtype = token_dtype(data_tokenizer(tokenizer, tokenizer_dir, chat).n_vocab)
-    big = isinstance(docs, Dataset) and len(docs) >= MIN_DOCS_PER_PROC
-    multiprocess = big and num_proc > 1 and len(docs) >= num_proc * MIN_DOCS_PER_PROC
-    threads = 1 if multiprocess else num_proc
-    if big:  # through datasets.map, for its worker processes and its progress bar (a small
-        # split's bar would only add noise to the console's one summary line per split), on a
-        # terminal: in a log, the bar is one long line of carriage returns
-        kwargs = {"tokenizer": tokenizer, "tokenizer_dir": tokenizer_dir, "num_threads": threads}
-        with progress_bars(sys.stderr.isatty()):
-            tokenized = docs.map(
-                encode_documents,
-                batched=True,
-                batch_size=MAP_BATCH_SIZE,
-                fn_kwargs=kwargs,
-                remove_columns=docs.column_names,
-                **({"num_proc": num_proc} if multiprocess else {}),
-            )
-        batches = tokenized.with_format("numpy").iter(batch_size=MAP_BATCH_SIZE)
-    else:  # in this process, with `threads` tokenizer threads
-        batches = (
-            encode_documents(batch, tokenizer, tokenizer_dir, threads)
-            for batch in docs.iter(batch_size=MAP_BATCH_SIZE)
-        )
+    batches = encoded_batches(docs, tokenizer, tokenizer_dir, num_proc)
     tokens = nbytes = documents = 0
     digest, mask_digest, skipped = hashlib.sha256(), hashlib.sha256(), Counter()
     rows = ((batch, i) for batch in batches for i in range(len(batch["ids"])))
