@@ -1,16 +1,17 @@
 """Export to Hugging Face, `python export.py checkpoint=<dir> out=<dir>`, or to llama.cpp,
 `... out=model.gguf format=gguf` (configs/export.yaml)."""
 
-import hydra
-from gguf import GGUFReader
 from omegaconf import DictConfig, OmegaConf
 
-from base.errors import user_errors
-from checkpoints.export import export_checkpoint
+from base.errors import hydra_main, user_errors
 
 
-@hydra.main(config_path="configs", config_name="export", version_base=None)
+@hydra_main("export")
 def main(cfg: DictConfig) -> None:
+    from gguf import GGUFReader  # once Hydra has checked the config: see train.py
+
+    from checkpoints.export import export_checkpoint
+
     with user_errors():
         out = export_checkpoint(OmegaConf.to_container(cfg, resolve=True))
     if cfg.format == "gguf" and "tokenizer.chat_template" in GGUFReader(out).fields:

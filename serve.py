@@ -6,11 +6,12 @@ import sys
 from omegaconf import DictConfig
 
 from base.errors import hydra_main
-from inference.server import main
 
 
 @hydra_main("serve")
 def serve(cfg: DictConfig) -> None:
+    from inference.server import main  # once Hydra has checked the config: see train.py
+
     sys.exit(main(cfg))
 
 

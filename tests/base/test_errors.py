@@ -48,8 +48,8 @@ def test_hydra_errors_in_train_py_are_one_line_and_leave_no_run_dir(tmp_path, ov
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/ for a failed attempt
 
 
-@pytest.mark.parametrize("script", ["sample.py", "evaluate.py"])
-def test_hydra_errors_in_sample_and_evaluate_are_one_line(tmp_path, script):
+@pytest.mark.parametrize("script", ["sample.py", "evaluate.py", "serve.py", "export.py"])
+def test_hydra_errors_in_the_other_scripts_are_one_line(tmp_path, script):
     result = run_script(script, "bogus=1", cwd=tmp_path)
     assert_one_error_line(result, "error: unknown config key bogus; known keys: ")
     assert "checkpoint" in result.stderr  # the script's own keys are the ones listed
