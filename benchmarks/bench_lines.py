@@ -71,6 +71,16 @@ FEATURES = {
         ("hardware/distributed.py", None),
         ("trainer/config.py", ["ParallelSettings", "RunConfig.parallel"]),
     ],
+    "sharded checkpoints (parallel.checkpoint=sharded): each rank writes its own rows": [
+        ("checkpoints/sharded.py", None),
+        ("checkpoints/store.py", ["_shards", "_whole"]),
+        (
+            "trainer/checkpointing.py",
+            ["CheckpointManager._shards", "CheckpointManager._write_shards"],
+        ),
+        ("trainer/config.py", ["ParallelSettings.checkpoint"]),
+        ("hardware/distributed.py", ["gathered", "_placed"]),
+    ],
     "the BPE tokenizer trainer (bpe-<N>)": [
         ("data/tokenizer.py", ["FORMAT", "TRAINER_VERSION", "PATTERN", "MIN_VOCAB", "BPE"]),
         ("data/tokenizer.py", ["TrainStats", "_merge", "train_bpe"]),

@@ -10,6 +10,10 @@ Layout of one checkpoint directory (`<run_dir>/checkpoints/last/` or `.../best/`
                         alone can sample and evaluate; absent for built-in tokenizers
     manifest.json       size and sha256 of each file above; written last
 
+A sharded checkpoint (parallel.checkpoint=sharded) holds the weights, and the optimizer's
+moments, in shard-<rank>-of-<ranks>.safetensors files with shards.json in place of
+model.safetensors (checkpoints/sharded.py); every reader below reads either.
+
 A checkpoint is written into a temporary sibling directory and swapped into place
 (base.files.write_dir_atomic), so a crash at any instant leaves either the previous complete
 checkpoint or the new one, never a mixture; every reader first recovers a swap a crash cut short.
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -35,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError, UserError
 from base.files import recover_swap, sha256_file, verify_files, writable_error, write_dir_atomic
+from checkpoints.sharded import SHARDS_FILE, Shards
 from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, parse_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
@@ -62,7 +69,7 @@ MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
 # claimed GPTConfig with those shapes, naming the key and both values, on a model built on the
 # meta device (no memory), before the real model is built.
 
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what a model's weights may be stored as
+FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # weights' types: bytes a value
 
 
 class TensorInfo(NamedTuple):
@@ -229,9 +236,13 @@ def save_checkpoint(
     meta: dict[str, Any],
     trainer_state: dict[str, Any] | None = None,
     tokenizer_file: str | Path | None = None,
+    write_shards: Callable[[Path], dict[str, Any]] | None = None,
 ) -> Path:
     """Write a complete checkpoint at `path`, replacing any previous one atomically;
     `tokenizer_file` (a trained tokenizer's file) is copied in as tokenizer.json.
+    `write_shards(tmp)`, for a sharded checkpoint (checkpoints/sharded.py), writes the weights
+    instead of model.safetensors, with every rank, and returns the manifest entries of the
+    files it wrote (each rank hashes its own).
 
     A write that fails (a read-only directory, a full disk) raises CheckpointError naming the
     path and the cause; the previous checkpoint at `path` is left as it was, and the partial
@@ -239,9 +250,13 @@ def save_checkpoint(
     path = Path(path)
 
     def fill(tmp: Path) -> None:
+        hashed = {}  # files their ranks hashed
         with _os_errors():
-            state = {k: v.cpu().contiguous() for k, v in stored_state(model).items()}
-            save_file(state, str(tmp / MODEL_FILE))
+            if write_shards is not None:
+                hashed = write_shards(tmp)
+            else:
+                state = {k: v.cpu().contiguous() for k, v in stored_state(model).items()}
+                save_file(state, str(tmp / MODEL_FILE))
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         if trainer_state is not None:
@@ -250,7 +265,7 @@ def save_checkpoint(
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         files = sorted(tmp.iterdir())
-        manifest = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files}
+        manifest = {f.name: hashed.get(f.name) or manifest_entry(f) for f in files}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
     try:
@@ -260,6 +275,10 @@ def save_checkpoint(
             f"cannot write checkpoint to {path}: {e.strerror or e}; {_previous(path)}"
         ) from e
     return path
+
+
+def manifest_entry(file: Path) -> dict[str, Any]:
+    return {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
 
 
 def _previous(path: Path) -> str:
@@ -299,8 +318,10 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"{manifest_file} is corrupt: the entry for {name!r} is not "
                 '{"bytes": <size>, "sha256": <64 hex digits>}'
             )
-    for name in (MODEL_FILE, CONFIG_FILE, TRAINER_FILE, TOKENIZER_FILE):
-        required = name in (MODEL_FILE, CONFIG_FILE)  # the others only when present
+    weights = SHARDS_FILE if SHARDS_FILE in manifest else MODEL_FILE  # sharded: sharded.py
+    shards = [f.name for f in path.glob("shard-*")]
+    for name in (MODEL_FILE, CONFIG_FILE, TRAINER_FILE, TOKENIZER_FILE, SHARDS_FILE, *shards):
+        required = name in (weights, CONFIG_FILE)  # the others only when present
         if name not in manifest and (required or os.path.lexists(path / name)):
             raise CheckpointError(
                 f"checkpoint file {path / name} is not listed in {manifest_file}: "
@@ -374,8 +395,9 @@ def load_checkpoint(
     model_overrides replace GPTConfig fields (e.g. attention="sdpa", dropout=0.0)."""
     path = Path(path)
     config = verify_checkpoint(path)
+    shards, tensors = _shards(path) if (path / SHARDS_FILE).exists() else (None, {})
     try:
-        tensors = read_safetensors_header(path / MODEL_FILE)
+        tensors = read_safetensors_header(path / MODEL_FILE) if shards is None else tensors
     except ValueError as e:
         raise CheckpointError(f"cannot load the weights in {path}: {e}") from None
     try:
@@ -384,7 +406,7 @@ def load_checkpoint(
     except ValueError as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from None
     model = GPT(model_config)
-    state = load_file(str(path / MODEL_FILE))
+    state = load_file(str(path / MODEL_FILE)) if shards is None else _whole(shards, tensors)
     if model_config.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     model.load_state_dict(state)
@@ -397,7 +419,34 @@ def load_checkpoint(
             trainer_state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means "not loadable"
             raise CheckpointError(f"cannot load {file} safely: {e}") from None
+        if shards is not None:  # its moments as ShardedTensors: a resume reads the rows it holds
+            trainer_state = shards.tree(trainer_state)
     return Checkpoint(path, model.to(device), config["run"], config["meta"], trainer_state)
+
+
+def _shards(path: Path) -> tuple[Shards, dict[str, TensorInfo]]:
+    """A sharded checkpoint's tensors (checkpoints/sharded.py), its index checked against the
+    headers of the shards the manifest verified, and its weights as a header would give them."""
+    file, index = _json_object(path, SHARDS_FILE)
+    try:
+        shards = Shards(path, index, listed=set(_json_object(path, MANIFEST_FILE)[1]))
+    except (ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+    weights = [n for n in shards.shapes if n.startswith("model/")]
+    return shards, {n[6:]: TensorInfo(shards.dtypes[n], shards.shapes[n]) for n in weights}
+
+
+def _whole(shards: Shards, tensors: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint's weights read whole into this process, from each rank's rows; the
+    memory it takes said first (by rank 0 alone under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        size = sum(math.prod(t.shape) * FLOAT_DTYPES[t.dtype] for t in tensors.values())
+        print(
+            f"{shards.directory}: reading its {shards.world_size}-way sharded weights whole into "
+            f"this process: {size / 2**20:,.1f} MiB",
+            file=sys.stderr,
+        )
+    return {name: shards.rows(f"model/{name}", 0, t.shape[0]) for name, t in tensors.items()}
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:

@@ -6,7 +6,8 @@ single process and every function here returns at once without touching torch.di
 single-process training behaves exactly as it did before distributed training existed.
 
 Checkpoints stay ordinary single-process checkpoints: under FSDP the weights and the optimizer
-state are gathered to rank 0 in full before writing, and scattered back to shards on resume.
+state are gathered to rank 0 in full before writing, and scattered back to shards on resume;
+with parallel.checkpoint=sharded each rank writes and reads its own rows (checkpoints/sharded.py).
 """
 
 from __future__ import annotations
@@ -147,21 +148,32 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return _all_reduce(values, dist.ReduceOp.MAX, device)
 
 
-def from_main(value: T, group: dist.ProcessGroup | None = None) -> T:
+def from_main(value: T, slow: bool = False) -> T:
     """Rank 0's value on every rank: for what each rank could otherwise derive differently (a
-    run directory named after the second each rank started in)."""
+    run directory named after the second each rank started in). `slow`: the others wait as long
+    as rank 0 needs to reach it (SLOW_WAIT_S)."""
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0, group=_slow_group if slow else None)
     return box[0]
+
+
+def gathered(value: T) -> list[T]:
+    """Every rank's value, in rank order, on every rank; waiting up to SLOW_WAIT_S (for ranks
+    still writing their part of a checkpoint)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=_slow_group)
+    return values
 
 
 def run_on_main(fn: Callable[[], T]) -> T:
     """fn() run by rank 0 alone, its result on every rank: for work whose answer is the same
     everywhere and costly to repeat (verifying every byte of a token file on every rank). The
     others wait as long as rank 0 needs (SLOW_WAIT_S)."""
-    return from_main(fn() if _is_main() else None, _slow_group)
+    return from_main(fn() if _is_main() else None, slow=True)
 
 
 def check_visible(data: PreparedData) -> None:
@@ -292,10 +304,17 @@ def _rekey(state: dict[str, Any], key: dict[Any, Any]) -> dict[str, Any]:
     return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": groups}
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, gather: bool = True
+) -> dict[str, Any]:
     """`optimizer.state_dict()`, in full: under FSDP gathered from the shards to rank 0's CPU
     (every rank must call; other ranks get an empty dict) and numbered like a single process's,
-    so any world size, or a single process, can resume from it."""
+    so any world size, or a single process, can resume from it. gather=False (a sharded
+    checkpoint's): keyed by parameter name, this rank's shards as they are (DTensors)."""
+    if not gather:
+        if is_sharded(model):  # an evaluation's forward leaves the root's weights unsharded
+            model.reshard()  # (FSDP2's root keeps them for a backward): its parameters again
+        return _rekey(optimizer.state_dict(), dict(enumerate(_param_names(model, optimizer))))
     if not is_sharded(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only
@@ -322,13 +341,28 @@ def load_optimizer_state(
             f"has {ours}: resume with the optim.name the checkpoint was trained with"
         )
     configured = [dict(g) for g in optimizer.param_groups]  # loading keeps each group's params
-    if not is_sharded(model):
+    names = _param_names(model, optimizer)
+    if isinstance(state["param_groups"][0]["params"][0], str):  # by name: a sharded checkpoint's
+        optimizer.load_state_dict(_placed(model, state, {name: i for i, name in enumerate(names)}))
+    elif not is_sharded(model):
         optimizer.load_state_dict(state)
     else:
-        by_name = _rekey(state, dict(enumerate(_param_names(model, optimizer))))
+        by_name = _rekey(state, dict(enumerate(names)))
         from torch.distributed.checkpoint import state_dict as dcp_state  # FSDP only
 
         options = dcp_state.StateDictOptions(full_state_dict=True)
         dcp_state.set_optimizer_state_dict(model, optimizer, by_name, options=options)
     for group, values in zip(optimizer.param_groups, configured, strict=True):
         group.update(values)
+
+
+def _placed(model: nn.Module, state: dict[str, Any], number: dict[str, int]) -> dict[str, Any]:
+    """A sharded checkpoint's optimizer state (keyed by parameter name), each moment read as its
+    parameter is placed (checkpoints/sharded.py's ShardedTensor.placed: under FSDP this rank's
+    rows alone), numbered as `optimizer.state_dict()` numbers the parameters."""
+    params = dict(model.named_parameters())
+    placed = {
+        name: {k: v.placed(params[name]) if hasattr(v, "placed") else v for k, v in s.items()}
+        for name, s in state["state"].items()
+    }  # a step count is a plain tensor
+    return _rekey({**state, "state": placed}, number)

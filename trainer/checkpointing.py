@@ -8,23 +8,26 @@ named (get, set) functions of its states, saved under those names (the keys of a
 trainer_state).
 
 Under torchrun every rank calls `save` at the same step (FSDP gathers the shards); rank 0 writes,
-and a barrier holds the others until the checkpoint is complete.
+and a barrier holds the others until the checkpoint is complete. With parallel.checkpoint=sharded
+nothing is gathered: every rank writes its own rows (checkpoints/sharded.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from base.files import link_files, write_dir_atomic
-from checkpoints import store
+from checkpoints import sharded, store
 from checkpoints.store import Checkpoint, CheckpointError
 from data.pipeline import PreparedData
-from hardware.distributed import DistInfo, barrier, full_model
+from hardware.distributed import DistInfo, barrier, from_main, full_model, gathered
 from model import GPT, GPTConfig
 from trainer.reporting import format_bytes
 
@@ -39,6 +42,7 @@ class CheckpointManager:
     keep: int
     dist: DistInfo
     say: Callable[[str], None]
+    sharded: bool = False  # parallel.checkpoint=sharded: checkpoints/sharded.py
 
     def __post_init__(self) -> None:
         self.dir = self.run_dir / "checkpoints"
@@ -100,18 +104,52 @@ class CheckpointManager:
             return math.inf
 
     def save(self, name: str, model: GPT, meta: dict[str, Any], stateful: Stateful | None) -> Path:
-        """`name` with the weights, and with every stateful object's state unless None."""
+        """`name` with the weights, and with every stateful object's state unless None. Whole:
+        gathered to rank 0, which writes; sharded: every rank writes its rows (_write_shards)."""
         path = self.dir / name
-        weights = full_model(model)
         states = None if stateful is None else {k: get() for k, (get, _) in stateful.items()}
+        if self.sharded:
+            weights, (states, write_shards) = model, self._shards(model, states)
+        else:
+            weights, write_shards = full_model(model), None
         if self.dist.is_main:
             store.save_checkpoint(
-                path, weights, self.resolved_config, meta, states, self.data.tokenizer_file
-            )
+                path, weights, self.resolved_config, meta, states, self.data.tokenizer_file,
+                write_shards,
+            )  # fmt: skip
             if states is not None and not self.disk_reported:
-                self._report_disk(path)
+                self._report_disk(path, model)
+        elif write_shards is not None:
+            write_shards(None)
         barrier(slow=True)  # a large checkpoint on slow storage outlasts parallel.timeout_s
         return path
+
+    def _shards(
+        self, model: GPT, states: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, Callable[[Path | None], dict[str, Any]]]:
+        """The weights and the optimizer's moments go to the shards; `states` keeps the rest
+        (trainer.pt's), the moments replaced by their names; and the shards' writer."""
+        trees = {"model": store.stored_state(model)}
+        if states is not None:
+            trees["optimizer"] = states["optimizer"]
+        mine, entries, trees = sharded.split(trees, self.dist.rank, self.dist.world_size)
+        states = None if states is None else {**states, "optimizer": trees["optimizer"]}
+        return states, partial(self._write_shards, mine=mine, entries=entries)
+
+    def _write_shards(
+        self, tmp: Path | None, mine: dict[str, Any], entries: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Every rank at once: its rows into the directory rank 0 is filling (`tmp` on rank 0,
+        None on the others), hashed by the rank that wrote them; then rank 0 writes shards.json.
+        Returns the manifest entries of every rank's file."""
+        tmp = Path(from_main(tmp and str(tmp), slow=True))
+        file = sharded.write_shard(tmp, self.dist.rank, self.dist.world_size, mine)
+        hashed = {} if file is None else {file: store.manifest_entry(tmp / file)}
+        every = gathered((hashed, entries))
+        if self.dist.is_main:
+            index = sharded.merged(self.dist.world_size, [entries for _, entries in every])
+            (tmp / sharded.SHARDS_FILE).write_text(json.dumps(index))
+        return {name: entry for files, _ in every for name, entry in files.items()}
 
     def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: Stateful):
         """`last`, and with keep=N a `step-<step>` checkpoint too, pruned to the N most recently
@@ -123,11 +161,12 @@ class CheckpointManager:
             write_dir_atomic(self.dir / name, lambda tmp: link_files(last, tmp))
             store.prune_step_checkpoints(self.dir, self.keep, newest=name)
 
-    def _report_disk(self, path: Path) -> None:
+    def _report_disk(self, path: Path, model: GPT) -> None:
         """What this run's checkpoints will take on disk: `last` and N step checkpoints in
         full, `best` without the optimizer state."""
         self.disk_reported = True
-        full, weights = store.checkpoint_bytes(path), (path / store.MODEL_FILE).stat().st_size
+        full = store.checkpoint_bytes(path)
+        weights = sum(t.numel() * t.element_size() for t in store.stored_state(model).values())
         total = full * (1 + self.keep) + weights
         self.say(
             f"checkpoints: {format_bytes(full)} each; last + {self.keep} step checkpoints "

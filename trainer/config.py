@@ -193,6 +193,8 @@ class ParallelSettings:
     strategy: Literal["ddp", "fsdp"] = setting(resumable=True)
     # a collective waiting longer than this fails the job (a rank died)
     timeout_s: float = setting(positive, resumable=True)
+    # whole: gathered to rank 0, which writes | sharded: each rank writes its own rows
+    checkpoint: Literal["whole", "sharded"] = setting(resumable=True)
 
     def __post_init__(self) -> None:
         validate(self, "parallel.")

@@ -176,7 +176,7 @@ class Trainer:
         # run through (DDP-wrapped or FSDP-sharded, compiled with compile=true).
         self.checkpoints = CheckpointManager(
             self.run_dir, resolved_config, self.data, train.keep_checkpoints, self.dist,
-            say=self.progress.message,
+            say=self.progress.message, sharded=cfg.parallel.checkpoint == "sharded",
         )  # fmt: skip
         # rank 0 repairs an interrupted checkpoint swap before the others read
         with distributed.main_first():
@@ -273,10 +273,11 @@ class Trainer:
     def _stateful(self) -> Stateful:
         """The training state, in one place: what `last` holds besides the weights, by name."""
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        sharded = self.checkpoints.sharded  # its moments as they are, each rank's own rows
         stateful: Stateful = {
             "train_state": (lambda: asdict(self.state), lambda s: vars(self.state).update(s)),
             "optimizer": (
-                lambda: distributed.optimizer_state(model, optimizer),
+                lambda: distributed.optimizer_state(model, optimizer, gather=not sharded),
                 lambda state: distributed.load_optimizer_state(model, optimizer, state),
             ),
             "sampler": (self.sampler.state_dict, self.sampler.load_state_dict),

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import hydra  # noqa: E402, F401
 import torch._dynamo  # noqa: E402, F401 - the first optimizer step imports it: a second or more
 
+import checkpoints.sharded  # noqa: E402
 import checkpoints.store  # noqa: E402
 import trainer.config  # noqa: E402, F401
 import trainer.loop  # noqa: E402
@@ -49,6 +50,7 @@ def arm(fault: str) -> None:
     """Make this process SIGKILL itself at the n-th arrival at one stage of a checkpoint write
     (`checkpoint.<stage>:<n>`, e.g. checkpoint.swap:2), by wrapping what the write calls:
         partial    checkpoints.store's save_file returned: the weights written, no manifest
+                   (or checkpoints.sharded's: this rank's shard of a sharded checkpoint)
         complete   the swap's first os.replace is called: every file and the manifest written
                    and fsynced in the temporary directory, nothing moved yet
         swap       os.replace moved the previous checkpoint aside: nothing at its path
@@ -85,7 +87,7 @@ def arm(fault: str) -> None:
         moved_aside = dst.name.endswith(".old")
         arrive("swap" if moved_aside else "replaced")
 
-    checkpoints.store.save_file = save_file
+    checkpoints.store.save_file = checkpoints.sharded.save_file = save_file
     os.replace = replace
 
 

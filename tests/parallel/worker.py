@@ -1,6 +1,7 @@
 """A torchrun worker for the tests: trains like train.py, and can die or record logits.
 
     python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K] [--stop-at-step K]
+        [--fault checkpoint.<stage>:<n> [--fault-rank R]]
         [--logits FILE] [overrides ...]
 
 --die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins, in the job's
@@ -9,6 +10,7 @@ first attempt only (torchrun's restarts, --max-restarts, run on).
 attempt only: the user's stop (Ctrl-C, kill, scancel) at an exact point.
 --fault checkpoint.<stage>:<n>: rank 0 kills itself (SIGKILL) inside its n-th checkpoint write,
 at that stage (tests/faults/zygote.py's `arm`), in the job's first attempt only.
+--fault-rank R: the rank --fault kills instead of rank 0.
 --logits FILE: after training, rank 0 saves the model's logits on a fixed input to FILE (every
 rank runs the forward: under FSDP it is a collective).
 --count-syncs FILE: rank 0 writes, for each step but the last, how many Python-level collectives
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--die-at-step", type=int)
     parser.add_argument("--stop-at-step", type=int)
     parser.add_argument("--fault")
+    parser.add_argument("--fault-rank", type=int, default=0)
     parser.add_argument("--logits")
     parser.add_argument("--count-syncs")
     args, overrides = parser.parse_known_args()
@@ -47,7 +50,7 @@ def main() -> None:
     rank = trainer.dist.rank
 
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-    if args.fault and first_attempt and rank == 0:
+    if args.fault and first_attempt and rank == args.fault_rank:
         from tests.faults.zygote import arm
 
         arm(args.fault)

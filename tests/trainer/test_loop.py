@@ -197,11 +197,17 @@ def test_overfits_one_batch():
     assert loss.item() < 0.05
 
 
-@pytest.mark.parametrize("optim, chat", [("adamw", False), ("muon", False), ("adamw", True)])
-def test_resumed_run_repeats_the_uninterrupted_run_exactly(tmp_path, corpus, optim, chat, request):
+@pytest.mark.parametrize(
+    "optim, chat, checkpoint",
+    [("adamw", False, "sharded"), ("muon", False, "whole"), ("adamw", True, "whole")],
+)
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(
+    tmp_path, corpus, optim, chat, checkpoint, request
+):
     # dropout: the RNG state must be restored too; muon: its momentum buffers and AdamW's moments;
-    # chat: chat fine-tuning a base run (tests/trainer/test_chat_sft.py), stopped mid-SFT
-    overrides = ("model.dropout=0.1", f"optim={optim}")
+    # chat: chat fine-tuning a base run (tests/trainer/test_chat_sft.py), stopped mid-SFT;
+    # sharded: one process's sharded checkpoint (tests/parallel/test_sharded_checkpoints.py)
+    overrides = ("model.dropout=0.1", f"optim={optim}", f"parallel.checkpoint={checkpoint}")
     if chat:
         corpus = request.getfixturevalue("chat_corpus")
         run = request.getfixturevalue("trained_run")
