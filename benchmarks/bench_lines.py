@@ -67,8 +67,9 @@ FEATURES = {
         ("trainer/config.py", ["TrainSettings.eval_tasks", "TrainSettings.eval_task_items"]),
         ("trainer/config.py", ["_tasks"]),
     ],
-    "torchrun: DDP and FSDP2": [
+    "torchrun: DDP and FSDP2, restarts said and recorded": [
         ("hardware/distributed.py", None),
+        ("trainer/loop.py", ["Trainer._restarted"]),
         ("trainer/config.py", ["ParallelSettings", "RunConfig.parallel"]),
     ],
     "sharded checkpoints (parallel.checkpoint=sharded): each rank writes its own rows": [

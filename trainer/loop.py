@@ -494,21 +494,23 @@ class Trainer:
             f"{f' ({self.precision.why})' if self.precision.why else ''}, "
             f"MFU vs {self.peak_source}\n{budget}\n{self.tracker.location}"
         )
-        restart = f"torchrun restart {self.dist.restart}: " if self.dist.restart else ""
-        if self.resumed_from is not None:
-            resumed = f"resumed from {self.resumed_from} at step {self.state.step}"
-            self.progress.message(restart + resumed)
-        elif restart:  # before the first checkpoint: all over again
-            self.progress.message(restart + "no checkpoint yet, so from step 0")
-        if restart:  # what it cost, in the log and in the first row after it
-            repeated, quiet = self.metrics.repeated, self.metrics.quiet_for
-            self.progress.message(
-                f"torchrun restart {self.dist.restart}: {repeated} logged steps to do again; "
-                f"{quiet:.1f} s since the last metrics row"
-            )
-            cost = {"restart": self.dist.restart, "restart/repeated_steps": repeated}
-            self._record(cost | {"restart/seconds_since_last_row": quiet}, self.state.step + 1)
+        resumed = f"resumed from {self.resumed_from} at step {self.state.step}"
+        if self.dist.restart:
+            self._restarted(resumed if self.resumed_from else "no checkpoint yet, so from step 0")
+        elif self.resumed_from is not None:
+            self.progress.message(resumed)
         self.progress.start(self.state.step)
+
+    def _restarted(self, resumed: str) -> None:
+        """A torchrun restart of the job's workers (--max-restarts): where it resumed, and what
+        it cost, in the log and in the first metrics row after it."""
+        restart, repeated, quiet = self.dist.restart, self.metrics.repeated, self.metrics.quiet_for
+        self.progress.message(
+            f"torchrun restart {restart}: {resumed}\ntorchrun restart {restart}: {repeated} "
+            f"logged steps to do again; {quiet:.1f} s since the last metrics row"
+        )
+        cost = {"restart": restart, "restart/repeated_steps": repeated}
+        self._record(cost | {"restart/seconds_since_last_row": quiet}, self.state.step + 1)
 
     def _stop_requested(self, received: list[int], agree: bool = True) -> tuple[int, bool]:
         """(the signal received, or 0; the time budget is spent), agreed on by all ranks: a
