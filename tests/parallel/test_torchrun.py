@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,24 @@ def test_torchrun_restarts_a_dead_rank_and_the_run_ends_bit_identical(
     straight = weights(ddp_run[0])
     for name, tensor in weights(tmp_path / "run").items():
         assert torch.equal(tensor, straight[name]), name
+
+
+def test_a_rank_that_keeps_dying_ends_the_job_after_its_restarts_and_torchrun_names_it(
+    tmp_path, corpus
+):
+    """Rank 1 dies as step 3 begins in every attempt; with --max-restarts=1 the job restarts
+    once (from step 2's checkpoint), then ends non-zero. torchrun's closing summary names the
+    rank and its exit code (its "Root Cause" block: the workers are gone, nothing of ours is
+    left to print it)."""
+    args = [*RUN, *corpus, "train.resume=auto", "--die-at-step=3", "--every-attempt"]
+    result = torchrun(
+        WORKER, str(tmp_path / "run"), *args, cwd=tmp_path, restarts=1, **SEPARATE_STORES
+    )
+    assert result.returncode != 0
+    assert result.stdout.count("torchrun restart 1: resumed from ") == 1, result.stdout
+    assert "torchrun restart 2" not in result.stdout
+    root_cause = result.stderr[result.stderr.index("Root Cause") :]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: 1 ", root_cause), root_cause
 
 
 def test_a_stop_asked_of_torchrun_is_not_restarted_and_resumes_bit_identical(

@@ -1,11 +1,13 @@
 """A torchrun worker for the tests: trains like train.py, and can die or record logits.
 
-    python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K] [--stop-at-step K]
+    python -m torch.distributed.run ... worker.py RUN_DIR [--die-at-step K [--every-attempt]]
+        [--stop-at-step K]
         [--fault checkpoint.<stage>:<n> [--fault-rank R]]
         [--logits FILE] [overrides ...]
 
 --die-at-step K: rank 1 exits abruptly (os._exit(1), no cleanup) as step K begins, in the job's
 first attempt only (torchrun's restarts, --max-restarts, run on).
+--every-attempt: --die-at-step in every attempt, torchrun's restarts too: a rank that keeps dying.
 --stop-at-step K: rank 0 sends torchrun (its parent) SIGTERM as step K begins, in the first
 attempt only: the user's stop (Ctrl-C, kill, scancel) at an exact point.
 --fault checkpoint.<stage>:<n>: rank 0 kills itself (SIGKILL) inside its n-th checkpoint write,
@@ -40,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--die-at-step", type=int)
+    parser.add_argument("--every-attempt", action="store_true")
     parser.add_argument("--stop-at-step", type=int)
     parser.add_argument("--fault")
     parser.add_argument("--fault-rank", type=int, default=0)
@@ -58,7 +61,8 @@ def main() -> None:
     train_step = trainer.train_step
 
     def faulty_train_step():
-        if first_attempt and trainer.state.step + 1 == args.die_at_step and rank == 1:
+        dies = first_attempt or args.every_attempt
+        if dies and trainer.state.step + 1 == args.die_at_step and rank == 1:
             os._exit(1)
         if first_attempt and trainer.state.step + 1 == args.stop_at_step and rank == 0:
             os.kill(os.getppid(), signal.SIGTERM)
