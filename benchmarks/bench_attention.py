@@ -2,7 +2,8 @@
 
 On a CPU, from the repository root: ``python benchmarks/bench_attention.py`` (manual, flash and
 sdpa; float32; batch 1, 4 heads of 64; T = 128 to 8,192). On a CUDA GPU: ``python
-benchmarks/bench_attention.py --device cuda`` (manual, each sdpa backend, triton; bfloat16;
+benchmarks/bench_attention.py --device cuda`` (manual, each sdpa backend, triton and each of
+its variants; bfloat16;
 16,384 tokens a batch in heads of 64 and of 128 over a width of 2,048, as FlashAttention-2's
 paper measures; T = 1,024 to 16,384). ``--help`` for the shapes, lengths and implementations.
 Prints a markdown table, one row per (head size, T, implementation).
@@ -38,10 +39,13 @@ from model.gpt import GPTConfig
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 SDPA_BACKENDS["sdpa-cudnn"] = "CUDNN_ATTENTION"
 TIMES = ("forward", "backward", "both")
-IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, "triton")
+# The Triton kernel's variants (model/triton_attention.py's VARIANTS), alone and together: the
+# ablation rows a lent GPU measures beside cuDNN and FlashAttention-2 (sdpa-flash)
+TRITON = ("triton", "triton+log2", "triton+fused_d", "triton+log2+fused_d")
+IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, *TRITON)
 DEFAULTS = {  # per device: implementations, dtype, lengths, head sizes
     "cpu": (["manual", "flash", "sdpa"], "float32", [2**i for i in range(7, 14)], [64]),
-    "cuda": (["manual", *SDPA_BACKENDS, "triton"], "bfloat16", [2**i for i in range(10, 15)],
+    "cuda": (["manual", *SDPA_BACKENDS, *TRITON], "bfloat16", [2**i for i in range(10, 15)],
              [64, 128]),
 }  # fmt: skip
 
@@ -65,10 +69,10 @@ def child(cell: dict, args: argparse.Namespace) -> dict[str, float | str]:
             return causal_attention(q, k, v, allowed)
         if impl == "flash":
             return flash_causal_attention(q, k, v, args.block_q, args.block_k)
-        if impl == "triton":
+        if impl in TRITON:
             from model.triton_attention import triton_causal_attention
 
-            return triton_causal_attention(q, k, v)
+            return triton_causal_attention(q, k, v, variants=tuple(impl.split("+")[1:]))
         backend = SDPA_BACKENDS.get(impl)  # None: torch's own choice
         with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)

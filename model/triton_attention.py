@@ -32,6 +32,14 @@ in one line anywhere else (`unavailable_attention`).
 
 `triton_causal_attention` is a torch custom operator whose backward is registered with
 torch.library, so torch.compile traces a model through it without a graph break.
+
+Variants (issue 61), each a switch of these kernels, kept by default only once a GPU's ablation
+row (scripts/gpu_check.sh) shows it faster; until then `triton_causal_attention(variants=...)`
+and benchmarks/bench_attention.py's `triton+<variant>` select them:
+- `log2`: the softmax in base 2 end to end, log2(e) folded into the score scale and the LSE
+  stored in log2 units, as Triton's tutorial does: one multiply fewer per score, in each kernel.
+- `fused_d`: D = rowsum(dO * Y) by a Triton kernel (`_preprocess`), not by eager PyTorch's
+  multiply, upcasts and sum (three passes over dO and Y, two temporaries).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
+VARIANTS = {"log2": 1, "fused_d": 2}  # each a bit of the operator's `variants` (module doc)
 
 
 # The kernels' arguments one per line would bury the algorithm:
@@ -77,6 +86,14 @@ def store_rows(X, value, pos, dims, stride_t, T, HS: tl.constexpr):
 
 
 @triton.jit
+def exp(x, LOG2: tl.constexpr):
+    """e^x; with LOG2, x is in log2 units already (scores scaled by log2(e)): 2^x."""
+    if not LOG2:
+        x = x * LOG2E
+    return tl.math.exp2(x)
+
+
+@triton.jit
 def visible(q_pos, k_pos):
     """The causal mask: query position q_pos may see key position k_pos iff k_pos <= q_pos."""
     return k_pos <= q_pos
@@ -95,7 +112,7 @@ def keep(seed, bh, rows, cols, T, dropout_p):
 @triton.jit
 def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
                    bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
     """The online softmax over the key tiles [k_lo, k_hi) for one query tile; MASKED: the tiles
     crossing the diagonal (and the ragged end), where `visible` decides."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
@@ -107,8 +124,8 @@ def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
             s = tl.where(visible(rows[:, None], cols[None, :]), s, float("-inf"))
         # Key 0 is in every row's first tile, so m is finite from then on: exp(-inf - m) = 0.
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.math.exp2((s - m_new[:, None]) * LOG2E)  # P, unnormalised: (BLOCK_M, BLOCK_N)
-        alpha = tl.math.exp2((m - m_new) * LOG2E)  # rescales what was summed under the old max
+        p = exp(s - m_new[:, None], LOG2)  # P, unnormalised: (BLOCK_M, BLOCK_N)
+        alpha = exp(m - m_new, LOG2)  # rescales what was summed under the old max
         l = l * alpha + tl.sum(p, 1)  # the softmax's denominator, undropped
         if DROPOUT:
             p = tl.where(keep(seed, bh, rows[:, None], cols[None, :], T, dropout_p), p, 0.0)
@@ -122,7 +139,8 @@ def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
              stride_vb, stride_vh, stride_vt, stride_yb, stride_yh, stride_yt, H, T, scale, SEED,
              dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+             LOG2: tl.constexpr):
     """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
@@ -138,20 +156,25 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     seed = tl.load(SEED)
     diagonal = tile * BLOCK_M  # keys before it are in the past of every row of the tile
+    if LOG2:
+        scale *= LOG2E  # the scores in log2 units
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
-                               scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+                               scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION,
+                               LOG2)
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, diagonal,
                                diagonal + BLOCK_M, scale, seed, bh, dropout_p, HS, BLOCK_N, True,
-                               DROPOUT, PRECISION)
+                               DROPOUT, PRECISION, LOG2)
     y = acc / l[:, None]
     store_rows(Y + b * stride_yb + h * stride_yh, y, rows, dims, stride_yt, T, HS)
-    tl.store(LSE + bh * T + rows, m + tl.log(l), mask=rows < T)
+    lse = m + (tl.log2(l) if LOG2 else tl.log(l))
+    tl.store(LSE + bh * T + rows, lse, mask=rows < T)
 
 
 @triton.jit
 def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims, T, q_lo, q_hi,
                  scale, seed, bh, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                 MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                 LOG2: tl.constexpr):
     """dK and dV of one key tile from the query tiles [q_lo, q_hi), transposed: the tile's
     rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
     for q0 in range(q_lo, q_hi, BLOCK_M):
@@ -161,7 +184,7 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
         lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
         d = tl.load(D + rows, mask=rows < T, other=0.0)
         s_t = mm(k, tl.trans(q), PRECISION) * scale  # S^T: (BLOCK_N, BLOCK_M)
-        p_t = tl.math.exp2((s_t - lse[None, :]) * LOG2E)  # the forward's P, recomputed
+        p_t = exp(s_t - lse[None, :], LOG2)  # the forward's P, recomputed
         if MASKED:
             p_t = tl.where(visible(rows[None, :], cols[:, None]), p_t, 0.0)
         dp_t = mm(v, tl.trans(do), PRECISION)  # dP^T = V dO^T
@@ -181,7 +204,8 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                     stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
                     stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
                     HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                    LOG2: tl.constexpr):
     """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dK's and dV's stride_g*."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
@@ -199,12 +223,13 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     seed = tl.load(SEED)
     diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
+    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dK's scale stays natural
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
-                          diagonal, diagonal + BLOCK_N, scale, seed, bh, dropout_p, HS, BLOCK_M,
-                          True, DROPOUT, PRECISION)
+                          diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M,
+                          True, DROPOUT, PRECISION, LOG2)
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
-                          + BLOCK_N, T, scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
-                          PRECISION)
+                          + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
+                          PRECISION, LOG2)
     out = b * stride_gb + h * stride_gh
     store_rows(DK + out, dk * scale, cols, dims, stride_gt, T, HS)
     store_rows(DV + out, dv, cols, dims, stride_gt, T, HS)
@@ -213,14 +238,14 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
 @triton.jit
 def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
               bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
     """dQ of one query tile from the key tiles [k_lo, k_hi)."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
         k = rows_of(K, cols, dims, stride_kt, T, HS)  # (BLOCK_N, BLOCK_D)
         v = rows_of(V, cols, dims, stride_vt, T, HS)
         s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2((s - lse[:, None]) * LOG2E)  # the forward's P, recomputed
+        p = exp(s - lse[:, None], LOG2)  # the forward's P, recomputed
         if MASKED:
             p = tl.where(visible(rows[:, None], cols[None, :]), p, 0.0)
         dp = mm(do, tl.trans(v), PRECISION)  # dP = dO V^T
@@ -237,7 +262,7 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
     """dQ of query tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
@@ -254,11 +279,27 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     seed = tl.load(SEED)
     diagonal = tile * BLOCK_M
-    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal, scale,
-                   seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION)
+    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dQ's scale stays natural
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
+                   qk_scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION, LOG2)
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
-                   + BLOCK_M, scale, seed, bh, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION)
+                   + BLOCK_M, qk_scale, seed, bh, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION,
+                   LOG2)
     store_rows(DQ + b * stride_gb + h * stride_gh, dq * scale, rows, dims, stride_gt, T, HS)
+
+
+@triton.jit
+def _preprocess(Y, DO, D, stride_yb, stride_yh, stride_yt, stride_ob, stride_oh, stride_ot, H, T,
+                HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO * Y) of query tile program_id(0) of (batch, head) program_id(1), in float32
+    (the `fused_d` variant)."""
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
+    b, h = bh // H, bh % H
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    y = rows_of(Y + b * stride_yb + h * stride_yh, rows, dims, stride_yt, T, HS).to(tl.float32)
+    do = rows_of(DO + b * stride_ob + h * stride_oh, rows, dims, stride_ot, T, HS).to(tl.float32)
+    tl.store(D + bh * T + rows, tl.sum(do * y, 1), mask=rows < T)
 
 
 # fmt: on
@@ -281,7 +322,7 @@ def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
 # owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N (each
 # kernel's static_assert; autotune skips a configuration that fails it). Dropout's Philox draws
 # change a kernel's fastest tiles, so they are tuned apart.
-KEY = ["T", "HS", "DROPOUT"]
+KEY = ["T", "HS", "DROPOUT", "LOG2"]
 forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
 backward_dk_dv = triton.autotune(tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY)(
     _backward_dk_dv
@@ -300,12 +341,12 @@ def _dense_last(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def _constants(q: torch.Tensor, dropout_p: float) -> dict:
+def _constants(q: torch.Tensor, dropout_p: float, variants: int) -> dict:
     """The compile-time constants every kernel takes, for q (B, nh, T, hs)."""
     hs = q.size(-1)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # ieee: no TF32 for float32
     return dict(HS=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), DROPOUT=dropout_p > 0,
-                PRECISION=precision)  # fmt: skip
+                PRECISION=precision, LOG2=bool(variants & VARIANTS["log2"]))  # fmt: skip
 
 
 def _new_heads(q: torch.Tensor) -> torch.Tensor:
@@ -321,22 +362,28 @@ def _grid(tile: str, T: int, heads: int):
 
 @torch.library.custom_op("causalgpt::triton_attention", mutates_args=())
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, seed: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    seed: torch.Tensor,
+    variants: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Y, LSE) of causal attention: Y (B, nh, T, hs) in q's dtype, LSE (B, nh, T) float32."""
+    """(Y, LSE) of causal attention: Y (B, nh, T, hs) in q's dtype, LSE (B, nh, T) float32 (in
+    log2 units with the `log2` variant)."""
     q, k, v = _dense_last(q, k, v)
     B, nh, T, hs = q.shape
     y = _new_heads(q)
     lse = torch.empty(B, nh, T, device=q.device, dtype=torch.float32)
     forward[_grid("BLOCK_M", T, B * nh)](
         q, k, v, y, lse, *_launch_args(q, k, v, y), nh, T, 1.0 / math.sqrt(hs), seed, dropout_p,
-        **_constants(q, dropout_p),
+        **_constants(q, dropout_p, variants),
     )  # fmt: skip
     return y, lse
 
 
 @_attention.register_fake
-def _(q, k, v, dropout_p, seed):
+def _(q, k, v, dropout_p, seed, variants=0):
     return _new_heads(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -350,13 +397,14 @@ def _attention_backward(
     lse: torch.Tensor,
     dropout_p: float,
     seed: torch.Tensor,
+    variants: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV from dO, the inputs, and the forward's Y and LSE."""
     do, q, k, v = _dense_last(do, q, k, v)
     B, nh, T, hs = q.shape
-    d = (do.float() * y.float()).sum(-1)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
+    d = _rowsum(do, y, variants)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
-    scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p)
+    scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p, variants)
     backward_dk_dv[_grid("BLOCK_N", T, B * nh)](
         q, k, v, do, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
         dropout_p, **constants,
@@ -369,21 +417,35 @@ def _attention_backward(
 
 
 @_attention_backward.register_fake
-def _(do, q, k, v, y, lse, dropout_p, seed):
+def _(do, q, k, v, y, lse, dropout_p, seed, variants=0):
     return _new_heads(q), _new_heads(k), _new_heads(v)
 
 
+def _rowsum(do: torch.Tensor, y: torch.Tensor, variants: int) -> torch.Tensor:
+    """D = rowsum(dO * Y) in float32, (B, nh, T): by `_preprocess` with the `fused_d` variant."""
+    if not variants & VARIANTS["fused_d"]:
+        return (do.float() * y.float()).sum(-1)
+    B, nh, T, hs = do.shape
+    d = torch.empty(B, nh, T, device=do.device, dtype=torch.float32)
+    block = 16 if INTERPRETED else 64
+    _preprocess[(triton.cdiv(T, block), B * nh)](
+        y, do, d, *_launch_args(y, do), nh, T, HS=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)),
+        BLOCK_M=block,
+    )  # fmt: skip
+    return d
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, dropout_p, seed = inputs
+    q, k, v, dropout_p, seed, variants = inputs
     y, lse = output
     ctx.save_for_backward(q, k, v, y, lse)
-    ctx.dropout = (dropout_p, seed)
+    ctx.options = (dropout_p, seed, variants)
 
 
 def _backward(ctx, dy: torch.Tensor, dlse: torch.Tensor | None):
     q, k, v, y, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_backward(dy, q, k, v, y, lse, *ctx.dropout)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _attention_backward(dy, q, k, v, y, lse, *ctx.options)
+    return dq, dk, dv, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -395,9 +457,10 @@ def triton_causal_attention(
     v: torch.Tensor,
     dropout_p: float = 0.0,
     seed: int | None = None,
+    variants: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """Causal attention of q, k, v (B, nh, T, hs), query i at position i: (B, nh, T, hs), equal
-    to `causal_attention`'s output without storing S.
+    to `causal_attention`'s output without storing S. `variants`: names of VARIANTS (module doc).
 
     `seed` fixes the dropout masks; by default one is drawn from torch's global RNG (only when
     dropout_p > 0, so reseeding torch reproduces them, as with F.dropout). It stays a tensor on
@@ -409,5 +472,5 @@ def triton_causal_attention(
         seeds = torch.randint(2**31 - 1, (1,), device=q.device)
     else:  # unused, and torch's RNG untouched
         seeds = torch.zeros(1, dtype=torch.int64, device=q.device)
-    y, _ = _attention(q, k, v, dropout_p, seeds)
+    y, _ = _attention(q, k, v, dropout_p, seeds, sum(VARIANTS[name] for name in set(variants)))
     return y

@@ -5,7 +5,8 @@
 #   kernel.md     the Triton kernel's error against float64 in bfloat16, float16 and float32, and
 #                 torch.compile through it without a graph break (benchmarks/triton_gpu_check.py)
 #   attention.md  attention alone, forward, backward and both, every backend side by side: head
-#                 sizes 64 and 128, T = 1,024 and 16,384 (benchmarks/bench_attention.py)
+#                 sizes 64 and 128, T = 1,024 and 16,384 (benchmarks/bench_attention.py), with
+#                 the Triton kernel's variants alone and together: their ablation (issue 61)
 #   nanogpt.md    nanoGPT's own bench.py, unchanged, from ../shared/anchors/nanoGPT (or $NANOGPT)
 #   step.md       GPT-2 124M's compiled training step: sdpa (padded vocabulary), unclipped, triton
 #                 (benchmarks/bench_gpu.py)
@@ -35,7 +36,8 @@ STEP_CELLS=("padded vocab 50304" "padded vocab, no clipping" "triton attention")
 if ((SMOKE)); then
   export TRITON_INTERPRET=1
   KERNEL=(--device cpu --head-sizes 16 --lengths 40)
-  ATTENTION=(--device cpu --impls sdpa triton --head-sizes 16 --lengths 32 --seconds 0.01)
+  ATTENTION=(--device cpu --impls sdpa triton triton+log2+fused_d --head-sizes 16 --lengths 32
+             --seconds 0.01)
   NANO_BATCH=1 NANO_BLOCK=32 NANO=(--device=cpu --compile=False --dtype=float32)
   STEP=(--device cpu --preset nano --dtype float32 --batch-size 1 --block-size 32 --no-compile
         --warmup 1 --steps 2)

@@ -19,6 +19,7 @@ import triton.language as tl  # noqa: E402, F401  (jit functions need it in thei
 from base.errors import ConfigError  # noqa: E402
 from model import GPT  # noqa: E402
 from model import triton_attention as kernel  # noqa: E402
+from model.causality import CausalityError, assert_causal  # noqa: E402
 from model.gpt import causal_attention  # noqa: E402
 from model.triton_attention import triton_causal_attention  # noqa: E402
 from tests.conftest import run_script, tiny_config  # noqa: E402
@@ -122,10 +123,12 @@ def test_offsets_past_2_to_the_31_elements_do_not_wrap(size, stride):
     views = [view.requires_grad_() for view in views]
     dense = [view.detach().contiguous().requires_grad_() for view in views]
     grad_out = torch.randn(size, dtype=torch.float16)
-    got = _outputs_and_grads(triton_causal_attention, *views, grad_out)
-    want = _outputs_and_grads(triton_causal_attention, *dense, grad_out)
-    for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
-        assert torch.equal(a, b), name
+    for variants in ((), ("log2", "fused_d")):  # the variants read q, k, v through them too
+        attend = lambda *qkv, chosen=variants: triton_causal_attention(*qkv, variants=chosen)  # noqa: E731
+        got = _outputs_and_grads(attend, *views, grad_out)
+        want = _outputs_and_grads(attend, *dense, grad_out)
+        for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
+            assert torch.equal(a, b), (variants, name)
 
 
 @triton.jit
@@ -149,6 +152,67 @@ def test_a_kernel_with_a_leaky_mask_fails_the_equality_and_the_causality_checks(
     assert not torch.allclose(triton_causal_attention(q, k, v), expected, atol=1e-3)
     model = GPT(tiny_config(attention="triton", block_size=40)).eval()
     assert find_leaks(model)
+
+
+@pytest.mark.parametrize("variants", [("log2",), ("fused_d",), ("log2", "fused_d")])
+def test_each_variant_alone_and_together_gives_the_formulas_outputs_and_gradients(variants):
+    """Issue 61's variants (model/triton_attention.py's module doc): float32 within 1e-5 of the
+    formula on a ragged multi-tile shape and a padded head size; bfloat16 within 3 times the
+    formula's own error; dropout through the default kernel's masks (the same Philox draws)."""
+    torch.manual_seed(0)
+    for B, H, T, hs in [(2, 3, 37, 16), (1, 1, 33, 96)]:
+        q, k, v = _qkv(B, H, T, hs)
+        grad_out = torch.randn(B, H, T, hs)
+        got = _outputs_and_grads(
+            lambda *qkv: triton_causal_attention(*qkv, variants=variants), q, k, v, grad_out
+        )
+        want = _outputs_and_grads(_manual, q, k, v, grad_out)
+        for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
+            torch.testing.assert_close(
+                a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in _qkv(2, 3, 40, 32))
+    grad_out = torch.randn(2, 3, 40, 32).bfloat16()
+    got = _outputs_and_grads(
+        lambda *qkv: triton_causal_attention(*qkv, variants=variants), q, k, v, grad_out
+    )
+    half = _outputs_and_grads(_manual, q, k, v, grad_out)
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    exact = _outputs_and_grads(_manual, *wide, grad_out.float())
+    for name, a, h, e in zip(["Y", "dQ", "dK", "dV"], got, half, exact, strict=True):
+        assert 0 < (a.float() - e).abs().max() <= 3 * (h.float() - e).abs().max(), name
+    q, k, v = _qkv(1, 2, 37, 16)
+    grad_out = torch.randn(1, 2, 37, 16)
+    dropped = [
+        _outputs_and_grads(
+            lambda *qkv, chosen=chosen: triton_causal_attention(*qkv, 0.3, 7, variants=chosen),
+            q,
+            k,
+            v,
+            grad_out,
+        )  # fmt: skip
+        for chosen in (variants, ())
+    ]
+    for a, b in zip(*dropped, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_variants_pass_the_causality_audit_and_a_leak_in_them_fails_it(monkeypatch):
+    """One attention layer through the kernel with every variant, as a language model of ids:
+    assert_causal's perturbation check passes, and fails once the mask sees one key late."""
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(64, 3 * 2 * 16), torch.nn.Linear(2 * 16, 64)
+
+    def lm(ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        q, k, v = (t.view(B, T, 2, 16).transpose(1, 2) for t in embed(ids).split(32, dim=2))
+        y = triton_causal_attention(q, k, v, variants=("log2", "fused_d"))
+        return head(y.transpose(1, 2).reshape(B, T, 32))
+
+    assert_causal(lm, seq_len=37)
+    monkeypatch.setattr(kernel, "visible", _one_position_late)
+    with pytest.raises(CausalityError, match="not causal"):
+        assert_causal(lm, seq_len=37)
 
 
 @pytest.mark.parametrize("options", ["gpt2", "all"])
@@ -244,11 +308,11 @@ def test_a_tile_that_is_not_a_multiple_of_the_one_it_walks_fails_to_compile(
         triton_causal_attention(q, k, v).sum().backward()
 
 
-def test_dropout_is_in_every_kernels_autotune_key():
-    """With dropout, a kernel draws Philox numbers per element: its fastest tiles are tuned apart
-    from those without."""
+def test_dropout_and_the_log2_variant_are_in_every_kernels_autotune_key():
+    """With dropout, a kernel draws Philox numbers per element; the log2 variant is another
+    compiled kernel: the fastest tiles of each are tuned apart."""
     for tuned in (kernel.forward, kernel.backward_dk_dv, kernel.backward_dq):
-        assert {"T", "HS", "DROPOUT"} <= set(tuned.keys)
+        assert {"T", "HS", "DROPOUT", "LOG2"} <= set(tuned.keys)
 
 
 def test_torch_compile_traces_the_model_through_the_operator_without_a_graph_break():
