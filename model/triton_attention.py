@@ -40,6 +40,10 @@ and benchmarks/bench_attention.py's `triton+<variant>` select them:
   stored in log2 units, as Triton's tutorial does: one multiply fewer per score, in each kernel.
 - `fused_d`: D = rowsum(dO * Y) by a Triton kernel (`_preprocess`), not by eager PyTorch's
   multiply, upcasts and sum (three passes over dO and Y, two temporaries).
+- `heavy_first`: the forward's and dQ's programs take the query tiles last to first. Under the
+  causal mask the last tile walks every key tile, the first one; started first, the long ones
+  do not trail the short ones at the end of the grid (dK dV's first key tiles are its heaviest,
+  and already first).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
-VARIANTS = {"log2": 1, "fused_d": 2}  # each a bit of the operator's `variants` (module doc)
+VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4}  # bits of the operator's `variants`
 
 
 # The kernels' arguments one per line would bury the algorithm:
@@ -91,6 +95,14 @@ def exp(x, LOG2: tl.constexpr):
     if not LOG2:
         x = x * LOG2E
     return tl.math.exp2(x)
+
+
+@triton.jit
+def query_tile(HEAVY_FIRST: tl.constexpr):
+    """This program's query tile: program_id(0), or counted from the end with HEAVY_FIRST."""
+    if HEAVY_FIRST:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
 
 
 @triton.jit
@@ -140,10 +152,10 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
              stride_vb, stride_vh, stride_vt, stride_yb, stride_yh, stride_yt, H, T, scale, SEED,
              dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-             LOG2: tl.constexpr):
-    """Y and LSE of query tile program_id(0) of (batch, head) program_id(1)."""
+             LOG2: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """Y and LSE of query tile `query_tile` of (batch, head) program_id(1)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
-    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
+    tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -262,11 +274,12 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
-    """dQ of query tile program_id(0) of (batch, head) program_id(1); dO's strides are
+                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr,
+                 HEAVY_FIRST: tl.constexpr):
+    """dQ of query tile `query_tile` of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
-    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
+    tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
     b, h = bh // H, bh % H
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -322,11 +335,12 @@ def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
 # owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N (each
 # kernel's static_assert; autotune skips a configuration that fails it). Dropout's Philox draws
 # change a kernel's fastest tiles, so they are tuned apart.
-KEY = ["T", "HS", "DROPOUT", "LOG2"]
+KEY = ["T", "HS", "DROPOUT", "LOG2", "HEAVY_FIRST"]
+KEY_DK_DV = KEY[:-1]  # its heaviest tiles, the first keys', come first already
 forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
-backward_dk_dv = triton.autotune(tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY)(
-    _backward_dk_dv
-)
+backward_dk_dv = triton.autotune(
+    tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
+)(_backward_dk_dv)
 backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(
     _backward_dq
 )
@@ -346,7 +360,8 @@ def _constants(q: torch.Tensor, dropout_p: float, variants: int) -> dict:
     hs = q.size(-1)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # ieee: no TF32 for float32
     return dict(HS=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), DROPOUT=dropout_p > 0,
-                PRECISION=precision, LOG2=bool(variants & VARIANTS["log2"]))  # fmt: skip
+                PRECISION=precision, LOG2=bool(variants & VARIANTS["log2"]),
+                HEAVY_FIRST=bool(variants & VARIANTS["heavy_first"]))  # fmt: skip
 
 
 def _new_heads(q: torch.Tensor) -> torch.Tensor:
@@ -405,9 +420,10 @@ def _attention_backward(
     d = _rowsum(do, y, variants)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
     scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p, variants)
+    dk_dv_constants = {k: v for k, v in constants.items() if k != "HEAVY_FIRST"}  # KEY_DK_DV
     backward_dk_dv[_grid("BLOCK_N", T, B * nh)](
         q, k, v, do, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
-        dropout_p, **constants,
+        dropout_p, **dk_dv_constants,
     )  # fmt: skip
     backward_dq[_grid("BLOCK_M", T, B * nh)](
         q, k, v, do, dq, lse, d, *_launch_args(q, k, v, do, dq), nh, T, scale, seed, dropout_p,

@@ -29,6 +29,7 @@ from tests.model.conftest import (
 )
 
 TILE = 16  # the interpreter's tiles (model/triton_attention.tilings)
+ALL_VARIANTS = tuple(kernel.VARIANTS)  # issue 61's, together
 
 
 def _qkv(B: int, H: int, T: int, hs: int, dtype=torch.float32):
@@ -123,7 +124,7 @@ def test_offsets_past_2_to_the_31_elements_do_not_wrap(size, stride):
     views = [view.requires_grad_() for view in views]
     dense = [view.detach().contiguous().requires_grad_() for view in views]
     grad_out = torch.randn(size, dtype=torch.float16)
-    for variants in ((), ("log2", "fused_d")):  # the variants read q, k, v through them too
+    for variants in ((), ALL_VARIANTS):  # the variants read q, k, v through them too
         attend = lambda *qkv, chosen=variants: triton_causal_attention(*qkv, variants=chosen)  # noqa: E731
         got = _outputs_and_grads(attend, *views, grad_out)
         want = _outputs_and_grads(attend, *dense, grad_out)
@@ -154,7 +155,7 @@ def test_a_kernel_with_a_leaky_mask_fails_the_equality_and_the_causality_checks(
     assert find_leaks(model)
 
 
-@pytest.mark.parametrize("variants", [("log2",), ("fused_d",), ("log2", "fused_d")])
+@pytest.mark.parametrize("variants", [*((name,) for name in ALL_VARIANTS), ALL_VARIANTS])
 def test_each_variant_alone_and_together_gives_the_formulas_outputs_and_gradients(variants):
     """Issue 61's variants (model/triton_attention.py's module doc): float32 within 1e-5 of the
     formula on a ragged multi-tile shape and a padded head size; bfloat16 within 3 times the
@@ -206,7 +207,7 @@ def test_the_variants_pass_the_causality_audit_and_a_leak_in_them_fails_it(monke
     def lm(ids: torch.Tensor) -> torch.Tensor:
         B, T = ids.shape
         q, k, v = (t.view(B, T, 2, 16).transpose(1, 2) for t in embed(ids).split(32, dim=2))
-        y = triton_causal_attention(q, k, v, variants=("log2", "fused_d"))
+        y = triton_causal_attention(q, k, v, variants=ALL_VARIANTS)
         return head(y.transpose(1, 2).reshape(B, T, 32))
 
     assert_causal(lm, seq_len=37)
@@ -313,6 +314,7 @@ def test_dropout_and_the_log2_variant_are_in_every_kernels_autotune_key():
     compiled kernel: the fastest tiles of each are tuned apart."""
     for tuned in (kernel.forward, kernel.backward_dk_dv, kernel.backward_dq):
         assert {"T", "HS", "DROPOUT", "LOG2"} <= set(tuned.keys)
+    assert "HEAVY_FIRST" in kernel.forward.keys and "HEAVY_FIRST" in kernel.backward_dq.keys
 
 
 def test_torch_compile_traces_the_model_through_the_operator_without_a_graph_break():
