@@ -40,6 +40,10 @@ and benchmarks/bench_attention.py's `triton+<variant>` select them:
   stored in log2 units, as Triton's tutorial does: one multiply fewer per score, in each kernel.
 - `fused_d`: D = rowsum(dO * Y) by a Triton kernel (`_preprocess`), not by eager PyTorch's
   multiply, upcasts and sum (three passes over dO and Y, two temporaries).
+- `one_launch`: the backward in one kernel (`_backward_paired`), the tutorial's pairing: program
+  i computes dK and dV of key tile i and dQ of query tile i. The first walks the query tiles
+  after the diagonal, the second the key tiles before it: every program does about the same
+  work, and one launch replaces two.
 - `heavy_first`: the forward's and dQ's programs take the query tiles last to first. Under the
   causal mask the last tile walks every key tile, the first one; started first, the long ones
   do not trail the short ones at the end of the grid (dK dV's first key tiles are its heaviest,
@@ -57,7 +61,7 @@ import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
-VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4}  # bits of the operator's `variants`
+VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4, "one_launch": 8}  # `variants`' bits
 
 
 # The kernels' arguments one per line would bury the algorithm:
@@ -302,6 +306,56 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
 
 
 @triton.jit
+def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb,
+                     stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
+                     stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
+                     HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                     LOG2: tl.constexpr):
+    """The `one_launch` variant: dK and dV of key tile program_id(0), as `_backward_dk_dv`, then
+    dQ of the query tile at the same rows (BLOCK_N of them, walking the keys BLOCK_M at a time),
+    as `_backward_dq`. dQ, dK and dV share the strides stride_g*."""
+    tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
+    b, h = bh // H, bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_ob + h * stride_oh
+    LSE += bh * T
+    D += bh * T
+    out = b * stride_gb + h * stride_gh
+    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # the keys of dK dV, the queries of dQ
+    dims = tl.arange(0, BLOCK_D)
+    seed = tl.load(SEED)
+    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; the gradients' natural
+    diagonal = tile * BLOCK_N
+    k = rows_of(K, pos, dims, stride_kt, T, HS)
+    v = rows_of(V, pos, dims, stride_vt, T, HS)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, pos, dims, T,
+                          diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M,
+                          True, DROPOUT, PRECISION, LOG2)
+    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, pos, dims, T, diagonal
+                          + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
+                          PRECISION, LOG2)
+    store_rows(DK + out, dk * scale, pos, dims, stride_gt, T, HS)
+    store_rows(DV + out, dv, pos, dims, stride_gt, T, HS)
+    q = rows_of(Q, pos, dims, stride_qt, T, HS)
+    do = rows_of(DO, pos, dims, stride_ot, T, HS)
+    lse = tl.load(LSE + pos, mask=pos < T, other=0.0)
+    d = tl.load(D + pos, mask=pos < T, other=0.0)
+    dq = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, pos, dims, T, 0, diagonal,
+                   qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT, PRECISION, LOG2)
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, pos, dims, T, diagonal, diagonal
+                   + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, True, DROPOUT, PRECISION,
+                   LOG2)
+    store_rows(DQ + out, dq * scale, pos, dims, stride_gt, T, HS)
+
+
+@triton.jit
 def _preprocess(Y, DO, D, stride_yb, stride_yh, stride_yt, stride_ob, stride_oh, stride_ot, H, T,
                 HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """D = rowsum(dO * Y) of query tile program_id(0) of (batch, head) program_id(1), in float32
@@ -341,6 +395,9 @@ forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 
 backward_dk_dv = triton.autotune(
     tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
 )(_backward_dk_dv)
+backward_paired = triton.autotune(  # dK dV's tiles: the program's own rows are BLOCK_N
+    tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
+)(_backward_paired)
 backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(
     _backward_dq
 )
@@ -421,6 +478,12 @@ def _attention_backward(
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
     scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p, variants)
     dk_dv_constants = {k: v for k, v in constants.items() if k != "HEAVY_FIRST"}  # KEY_DK_DV
+    if variants & VARIANTS["one_launch"]:
+        backward_paired[_grid("BLOCK_N", T, B * nh)](
+            q, k, v, do, dq, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
+            dropout_p, **dk_dv_constants,
+        )  # fmt: skip
+        return dq, dk, dv
     backward_dk_dv[_grid("BLOCK_N", T, B * nh)](
         q, k, v, do, dk, dv, lse, d, *_launch_args(q, k, v, do, dk), nh, T, scale, seed,
         dropout_p, **dk_dv_constants,

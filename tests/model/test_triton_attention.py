@@ -295,7 +295,12 @@ def test_dropout_masks_of_rows_past_46k_are_independent():
 
 @pytest.mark.parametrize(
     "tuned,tiles",
-    [("forward", (16, 32)), ("backward_dk_dv", (32, 16)), ("backward_dq", (16, 32))],
+    [
+        ("forward", (16, 32)),
+        ("backward_dk_dv", (32, 16)),
+        ("backward_dq", (16, 32)),
+        ("backward_paired", (32, 16)),
+    ],
 )
 def test_a_tile_that_is_not_a_multiple_of_the_one_it_walks_fails_to_compile(
     monkeypatch, tuned, tiles
@@ -305,8 +310,27 @@ def test_a_tile_that_is_not_a_multiple_of_the_one_it_walks_fails_to_compile(
     bad = triton.Config(dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
     monkeypatch.setattr(getattr(kernel, tuned), "configs", [bad])
     q, k, v = _qkv(1, 1, 40, 16)
+    variants = ("one_launch",) if tuned == "backward_paired" else ()
     with pytest.raises(Exception, match="must be a multiple of"):
-        triton_causal_attention(q, k, v).sum().backward()
+        triton_causal_attention(q, k, v, variants=variants).sum().backward()
+
+
+def test_one_launch_with_its_own_tiles_twice_those_it_walks_gives_the_formulas_gradients(
+    monkeypatch,
+):
+    """The paired backward's programs own BLOCK_N rows (keys for dK dV, queries for dQ) and walk
+    the others BLOCK_M at a time: with 32 and 16, not the interpreter's equal 16s, its dQ half
+    crosses the diagonal in two steps."""
+    config = triton.Config(dict(BLOCK_M=16, BLOCK_N=32))
+    monkeypatch.setattr(kernel.backward_paired, "configs", [config])
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 1, 45, 16)
+    grad_out = torch.randn(2, 1, 45, 16)
+    attend = lambda *qkv: triton_causal_attention(*qkv, variants=("one_launch",))  # noqa: E731
+    got = _outputs_and_grads(attend, q, k, v, grad_out)
+    want = _outputs_and_grads(_manual, q, k, v, grad_out)
+    for name, a, b in zip(["Y", "dQ", "dK", "dV"], got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_dropout_and_the_log2_variant_are_in_every_kernels_autotune_key():
