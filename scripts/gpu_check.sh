@@ -11,7 +11,8 @@
 #   step.md       GPT-2 124M's compiled training step: sdpa (padded vocabulary), unclipped, triton
 #                 (benchmarks/bench_gpu.py)
 #   isolation.md  the page's views beside batched decoding on the device, float32 and bfloat16,
-#                 each answer the view's alone (tests/inference/test_isolation.py, issue 56)
+#                 each answer the view's alone (tests/inference/test_isolation.py, issue 56;
+#                 --smoke: float32 alone, as the suite runs both on a CPU)
 # Each step's output goes to its file as it runs (a step cut short keeps its rows so far); a step
 # that fails or runs past its time limit (570 s in all, within a device call's 600) is reported,
 # and the next one runs. Exits 1 if any failed.
@@ -41,14 +42,14 @@ if ((SMOKE)); then
   NANO_BATCH=1 NANO_BLOCK=32 NANO=(--device=cpu --compile=False --dtype=float32)
   STEP=(--device cpu --preset nano --dtype float32 --batch-size 1 --block-size 32 --no-compile
         --warmup 1 --steps 2)
-  export ISOLATION_DEVICE=cpu
+  export ISOLATION_DEVICE=cpu ISOLATION_K=float32  # the suite runs both dtypes on a CPU already
 else
   unset TRITON_INTERPRET  # the kernel compiled for the GPU
   KERNEL=()
   ATTENTION=(--device cuda --head-sizes 64 128 --lengths 1024 16384 --seconds 0.25)
   NANO_BATCH=16 NANO_BLOCK=1024 NANO=(--compile=True)
   STEP=(--warmup 3 --steps 10)
-  export ISOLATION_DEVICE=cuda
+  export ISOLATION_DEVICE=cuda ISOLATION_K=""
 fi
 NANO+=(--real_data=False --batch_size=$NANO_BATCH --block_size=$NANO_BLOCK)
 
@@ -97,10 +98,10 @@ step step timeout 210 "$PYTHON" benchmarks/bench_gpu.py "${STEP[@]}" --cells "${
 isolation() {  # pytest's verdict, as a table (its own output to the log)
   local verdict=0
   timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --confcutdir=tests/inference \
-    tests/inference/test_isolation.py >&2 || verdict=$?
+    tests/inference/test_isolation.py -k "$ISOLATION_K" >&2 || verdict=$?
   echo "| test | device | verdict |"
   echo "|---|---|---|"
-  echo "| page views beside batched decoding, float32 and bfloat16 | $ISOLATION_DEVICE |" \
+  echo "| page views beside batched decoding, ${ISOLATION_K:-float32 and bfloat16} | $ISOLATION_DEVICE |" \
     "$( ((verdict)) && echo "FAILED ($verdict)" || echo passed) |"
   return $verdict
 }
