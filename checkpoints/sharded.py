@@ -194,8 +194,11 @@ class Shards:
         return torch.cat(parts)
 
     def tree(self, tree: Any) -> Any:
-        """`tree` (trainer.pt's) with each {"shard": name} a ShardedTensor."""
-        if isinstance(tree, dict) and tree.keys() == {"shard"} and tree["shard"] in self.shapes:
+        """`tree` (trainer.pt's) with each {"shard": name} a ShardedTensor; a name shards.json
+        lacks is a ValueError."""
+        if isinstance(tree, dict) and tree.keys() == {"shard"}:
+            if tree["shard"] not in self.shapes:
+                raise ValueError(f"names the shard {tree['shard']!r}, which shards.json lacks")
             return ShardedTensor(self, tree["shard"])
         if isinstance(tree, dict):
             return {k: self.tree(v) for k, v in tree.items()}

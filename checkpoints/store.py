@@ -419,8 +419,10 @@ def load_checkpoint(
             trainer_state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means "not loadable"
             raise CheckpointError(f"cannot load {file} safely: {e}") from None
-        if shards is not None:  # its moments as ShardedTensors: a resume reads the rows it holds
-            trainer_state = shards.tree(trainer_state)
+        try:  # its moments as ShardedTensors: a resume reads the rows it holds
+            trainer_state = trainer_state if shards is None else shards.tree(trainer_state)
+        except ValueError as e:
+            raise CheckpointError(f"{file} {e}") from None
     return Checkpoint(path, model.to(device), config["run"], config["meta"], trainer_state)
 
 

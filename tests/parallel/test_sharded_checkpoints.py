@@ -6,6 +6,7 @@ it whole; a missing, corrupt or lying shard is one clear error."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from checkpoints.sharded import SHARDS_FILE, ShardedTensor
-from checkpoints.store import CheckpointError, load_checkpoint
+from checkpoints.store import CheckpointError, load_checkpoint, manifest_entry
 from tests.conftest import make_trainer, run_script
 from tests.parallel.test_torchrun import RUN, WORKER, torchrun
 
@@ -138,6 +139,7 @@ def test_sample_py_reads_a_sharded_checkpoint_whole_and_says_what_it_takes(shard
         ("corrupt", "shard-00001-of-00002.safetensors fails its sha256 check"),
         ("unlisted", "shard-00001-of-00002.safetensors is not listed in"),
         ("lying", "shards.json is corrupt: model/transformer.wte.weight: its pieces do not tile"),
+        ("renamed", "trainer.pt names the shard 'optimizer/state/x/exp_avg', which shards.json"),
     ],
 )
 def test_a_missing_corrupt_or_lying_shard_is_one_clear_error(sharded_run, tmp_path, damage, error):
@@ -151,16 +153,19 @@ def test_a_missing_corrupt_or_lying_shard_is_one_clear_error(sharded_run, tmp_pa
         data = bytearray(shard.read_bytes())
         data[-1] ^= 1
         shard.write_bytes(bytes(data))
-    else:
-        if damage == "lying":  # rank 1's rows claimed to start one row late, manifest updated
-            index = json.loads((ckpt / SHARDS_FILE).read_text())
-            index["tensors"]["model/transformer.wte.weight"]["rows"][1][1] += 1
-            (ckpt / SHARDS_FILE).write_text(json.dumps(index))
-            from checkpoints.store import manifest_entry
-
-            manifest[SHARDS_FILE] = manifest_entry(ckpt / SHARDS_FILE)
-        else:
-            del manifest[shard.name]
-        manifest_file.write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=error.replace(".", r"\.")):
-        load_checkpoint(ckpt)
+    elif damage == "unlisted":
+        del manifest[shard.name]
+    elif damage == "lying":  # rank 1's rows claimed to start one row late, manifest updated
+        index = json.loads((ckpt / SHARDS_FILE).read_text())
+        index["tensors"]["model/transformer.wte.weight"]["rows"][1][1] += 1
+        (ckpt / SHARDS_FILE).write_text(json.dumps(index))
+        manifest[SHARDS_FILE] = manifest_entry(ckpt / SHARDS_FILE)
+    else:  # renamed: trainer.pt, its manifest entry updated, names a moment shards.json lacks
+        state = torch.load(ckpt / "trainer.pt", weights_only=True)
+        moments = state["optimizer"]["state"]["transformer.wte.weight"]
+        moments["exp_avg"] = {"shard": "optimizer/state/x/exp_avg"}
+        torch.save(state, ckpt / "trainer.pt")
+        manifest["trainer.pt"] = manifest_entry(ckpt / "trainer.pt")
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=re.escape(error)):
+        load_checkpoint(ckpt, with_trainer_state=True)
