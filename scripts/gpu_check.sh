@@ -8,8 +8,8 @@
 #                 sizes 64 and 128, T = 1,024 and 16,384 (benchmarks/bench_attention.py), with
 #                 the Triton kernel's variants alone and together: their ablation (issue 61)
 #   nanogpt.md    nanoGPT's own bench.py, unchanged, from ../shared/anchors/nanoGPT (or $NANOGPT)
-#   step.md       GPT-2 124M's compiled training step: sdpa (padded vocabulary), unclipped, triton
-#                 (benchmarks/bench_gpu.py)
+#   step.md       GPT-2 124M's compiled training step: sdpa (padded vocabulary), unclipped, triton,
+#                 triton with every variant of issue 61 (benchmarks/bench_gpu.py)
 #   isolation.md  the page's views beside batched decoding on the device, float32 and bfloat16,
 #                 each answer the view's alone (tests/inference/test_isolation.py, issue 56;
 #                 --smoke: float32 alone, as the suite runs both on a CPU)
@@ -33,7 +33,8 @@ mkdir -p "$1"
 OUT=$(cd "$1" && pwd)
 PYTHON=${PYTHON:-python}
 NANOGPT=${NANOGPT:-$ROOT/../shared/anchors/nanoGPT}
-STEP_CELLS=("padded vocab 50304" "padded vocab, no clipping" "triton attention")
+STEP_CELLS=("padded vocab 50304" "padded vocab, no clipping" "triton attention"
+            "triton, every variant")
 if ((SMOKE)); then
   export TRITON_INTERPRET=1
   KERNEL=(--device cpu --head-sizes 16 --lengths 40)
@@ -41,7 +42,7 @@ if ((SMOKE)); then
              --head-sizes 16 --lengths 32 --seconds 0.01)
   NANO_BATCH=1 NANO_BLOCK=32 NANO=(--device=cpu --compile=False --dtype=float32)
   STEP=(--device cpu --preset nano --dtype float32 --batch-size 1 --block-size 32 --no-compile
-        --warmup 1 --steps 2)
+        --warmup 0 --steps 1)  # one step: the smoke run shows each cell runs
   export ISOLATION_DEVICE=cpu ISOLATION_K=float32  # the suite runs both dtypes on a CPU already
 else
   unset TRITON_INTERPRET  # the kernel compiled for the GPU

@@ -54,7 +54,7 @@ def test_the_smoke_run_writes_every_table_with_measured_rows(tmp_path):
         rows = data_rows(tmp_path / "out" / f"{name}.md")
         assert rows and all(check(row) for row in rows), (name, rows)
     assert len(data_rows(tmp_path / "out" / "attention.md")) == 3  # sdpa, triton, its variants
-    assert len(data_rows(tmp_path / "out" / "step.md")) == 3  # sdpa, unclipped, triton
+    assert len(data_rows(tmp_path / "out" / "step.md")) == 4  # sdpa, unclipped, triton (+ all)
 
 
 @pytest.mark.slow
