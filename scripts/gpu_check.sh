@@ -92,13 +92,13 @@ EOF
 
 cd "$ROOT"
 echo "gpu_check: tables to $OUT$( ((SMOKE)) && echo ' (smoke: CPU, tiny shapes)')"
-step kernel timeout 120 "$PYTHON" benchmarks/triton_gpu_check.py "${KERNEL[@]}"
-step attention timeout 150 "$PYTHON" benchmarks/bench_attention.py "${ATTENTION[@]}"
+step kernel timeout 100 "$PYTHON" benchmarks/triton_gpu_check.py "${KERNEL[@]}"
+step attention timeout 140 "$PYTHON" benchmarks/bench_attention.py "${ATTENTION[@]}"
 step nanogpt nanogpt
-step step timeout 210 "$PYTHON" benchmarks/bench_gpu.py "${STEP[@]}" --cells "${STEP_CELLS[@]}"
+step step timeout 180 "$PYTHON" benchmarks/bench_gpu.py "${STEP[@]}" --cells "${STEP_CELLS[@]}"
 isolation() {  # pytest's verdict, as a table (its own output to the log)
   local verdict=0
-  timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --confcutdir=tests/inference \
+  timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --confcutdir=tests/inference \
     tests/inference/test_isolation.py -k "$ISOLATION_K" >&2 || verdict=$?
   echo "| test | device | verdict |"
   echo "|---|---|---|"
