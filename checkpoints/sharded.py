@@ -33,8 +33,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-SHARDS_FILE = "shards.json"
-
 
 def shard_file(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"

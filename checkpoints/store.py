@@ -41,18 +41,19 @@ from safetensors.torch import load_file, save_file
 
 from base.errors import ConfigError, UserError
 from base.files import recover_swap, sha256_file, verify_files, writable_error, write_dir_atomic
-from checkpoints.sharded import SHARDS_FILE, Shards
 from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, parse_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
 
-if TYPE_CHECKING:  # a type only: reading a checkpoint does not load the data pipeline
+if TYPE_CHECKING:  # types only: reading a checkpoint loads neither the data pipeline nor, for a
+    from checkpoints.sharded import Shards  # whole one, sharded.py
     from data.pipeline import PreparedData
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TRAINER_FILE = "trainer.pt"
 MANIFEST_FILE = "manifest.json"
+SHARDS_FILE = "shards.json"  # a sharded checkpoint's, in model.safetensors' place
 
 
 MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
@@ -429,6 +430,8 @@ def load_checkpoint(
 def _shards(path: Path) -> tuple[Shards, dict[str, TensorInfo]]:
     """A sharded checkpoint's tensors (checkpoints/sharded.py), its index checked against the
     headers of the shards the manifest verified, and its weights as a header would give them."""
+    from checkpoints.sharded import Shards
+
     file, index = _json_object(path, SHARDS_FILE)
     try:
         shards = Shards(path, index, listed=set(_json_object(path, MANIFEST_FILE)[1]))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from base.files import link_files, write_dir_atomic
-from checkpoints import sharded, store
+from checkpoints import store
 from checkpoints.store import Checkpoint, CheckpointError
 from data.pipeline import PreparedData
 from hardware.distributed import DistInfo, barrier, from_main, full_model, gathered
@@ -129,6 +129,8 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any] | None, Callable[[Path | None], dict[str, Any]]]:
         """The weights and the optimizer's moments go to the shards; `states` keeps the rest
         (trainer.pt's), the moments replaced by their names; and the shards' writer."""
+        from checkpoints import sharded  # sharded checkpoints only
+
         trees = {"model": store.stored_state(model)}
         if states is not None:
             trees["optimizer"] = states["optimizer"]
@@ -142,13 +144,15 @@ class CheckpointManager:
         """Every rank at once: its rows into the directory rank 0 is filling (`tmp` on rank 0,
         None on the others), hashed by the rank that wrote them; then rank 0 writes shards.json.
         Returns the manifest entries of every rank's file."""
+        from checkpoints import sharded  # sharded checkpoints only
+
         tmp = Path(from_main(tmp and str(tmp), slow=True))
         file = sharded.write_shard(tmp, self.dist.rank, self.dist.world_size, mine)
         hashed = {} if file is None else {file: store.manifest_entry(tmp / file)}
         every = gathered((hashed, entries))
         if self.dist.is_main:
             index = sharded.merged(self.dist.world_size, [entries for _, entries in every])
-            (tmp / sharded.SHARDS_FILE).write_text(json.dumps(index))
+            (tmp / store.SHARDS_FILE).write_text(json.dumps(index))
         return {name: entry for files, _ in every for name, entry in files.items()}
 
     def save_periodic(self, model: GPT, meta: dict[str, Any], stateful: Stateful):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints.sharded import SHARDS_FILE, ShardedTensor
-from checkpoints.store import CheckpointError, load_checkpoint, manifest_entry
+from checkpoints.sharded import ShardedTensor
+from checkpoints.store import SHARDS_FILE, CheckpointError, load_checkpoint, manifest_entry
 from tests.conftest import make_trainer, run_script
 from tests.parallel.test_torchrun import RUN, WORKER, torchrun
 
