@@ -216,28 +216,19 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
 
 
 @triton.jit
-def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb,
-                    stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
-                    stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
-                    HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                    LOG2: tl.constexpr):
-    """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
-    stride_o*, dK's and dV's stride_g*."""
+def _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale, seed,
+              bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              LOG2: tl.constexpr):
+    """dK and dV of key tile `tile` (BLOCK_N keys) of the (batch, head) the pointers are at:
+    the query tiles at and after the diagonal, BLOCK_M at a time."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
-    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
-    b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    DO += b * stride_ob + h * stride_oh
-    LSE += bh * T
-    D += bh * T
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
     dims = tl.arange(0, BLOCK_D)
-    k = rows_of(K + b * stride_kb + h * stride_kh, cols, dims, stride_kt, T, HS)  # the tile
-    v = rows_of(V + b * stride_vb + h * stride_vh, cols, dims, stride_vt, T, HS)
+    k = rows_of(K, cols, dims, stride_kt, T, HS)  # the tile
+    v = rows_of(V, cols, dims, stride_vt, T, HS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    seed = tl.load(SEED)
     diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
     qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dK's scale stays natural
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
@@ -246,8 +237,28 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
                           + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
                           PRECISION, LOG2)
+    return dk * scale, dv
+
+
+@triton.jit
+def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb,
+                    stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
+                    stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
+                    HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                    LOG2: tl.constexpr):
+    """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
+    stride_o*, dK's and dV's stride_g*."""
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
+    b, h = bh // H, bh % H
+    dk, dv = _key_tile(Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh,
+                       V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
+                       LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile,
+                       T, scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N,
+                       DROPOUT, PRECISION, LOG2)
+    cols, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # the tile's keys
     out = b * stride_gb + h * stride_gh
-    store_rows(DK + out, dk * scale, cols, dims, stride_gt, T, HS)
+    store_rows(DK + out, dk, cols, dims, stride_gt, T, HS)
     store_rows(DV + out, dv, cols, dims, stride_gt, T, HS)
 
 
@@ -274,6 +285,30 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 
 
 @triton.jit
+def _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale,
+                seed, bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, OWN: tl.constexpr,
+                WALK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+                LOG2: tl.constexpr):
+    """dQ of query tile `tile` (OWN queries) of the (batch, head) the pointers are at: the key
+    tiles before the diagonal and across it, WALK at a time."""
+    tl.static_assert(OWN % WALK == 0, "a program's own tile must be a multiple of the one it walks")
+    rows = tile * OWN + tl.arange(0, OWN)  # query positions
+    dims = tl.arange(0, BLOCK_D)
+    q = rows_of(Q, rows, dims, stride_qt, T, HS)
+    do = rows_of(DO, rows, dims, stride_ot, T, HS)
+    lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
+    d = tl.load(D + rows, mask=rows < T, other=0.0)
+    dq = tl.zeros([OWN, BLOCK_D], tl.float32)
+    diagonal = tile * OWN
+    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dQ's scale stays natural
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
+                   qk_scale, seed, bh, dropout_p, HS, WALK, False, DROPOUT, PRECISION, LOG2)
+    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
+                   + OWN, qk_scale, seed, bh, dropout_p, HS, WALK, True, DROPOUT, PRECISION, LOG2)
+    return dq * scale
+
+
+@triton.jit
 def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
                  stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
@@ -282,27 +317,15 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  HEAVY_FIRST: tl.constexpr):
     """dQ of query tile `query_tile` of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
-    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
     tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
     b, h = bh // H, bh % H
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
-    dims = tl.arange(0, BLOCK_D)
-    q = rows_of(Q + b * stride_qb + h * stride_qh, rows, dims, stride_qt, T, HS)
-    do = rows_of(DO + b * stride_ob + h * stride_oh, rows, dims, stride_ot, T, HS)
-    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-    d = tl.load(D + bh * T + rows, mask=rows < T, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    seed = tl.load(SEED)
-    diagonal = tile * BLOCK_M
-    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dQ's scale stays natural
-    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
-                   qk_scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION, LOG2)
-    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
-                   + BLOCK_M, qk_scale, seed, bh, dropout_p, HS, BLOCK_N, True, DROPOUT, PRECISION,
-                   LOG2)
-    store_rows(DQ + b * stride_gb + h * stride_gh, dq * scale, rows, dims, stride_gt, T, HS)
+    dq = _query_tile(Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh,
+                     V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
+                     LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
+                     scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
+                     PRECISION, LOG2)
+    rows, dims = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    store_rows(DQ + b * stride_gb + h * stride_gh, dq, rows, dims, stride_gt, T, HS)
 
 
 @triton.jit
@@ -315,7 +338,6 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
     """The `one_launch` variant: dK and dV of key tile program_id(0), as `_backward_dk_dv`, then
     dQ of the query tile at the same rows (BLOCK_N of them, walking the keys BLOCK_M at a time),
     as `_backward_dq`. dQ, dK and dV share the strides stride_g*."""
-    tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
     b, h = bh // H, bh % H
     Q += b * stride_qb + h * stride_qh
@@ -324,35 +346,18 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
     DO += b * stride_ob + h * stride_oh
     LSE += bh * T
     D += bh * T
-    out = b * stride_gb + h * stride_gh
-    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # the keys of dK dV, the queries of dQ
-    dims = tl.arange(0, BLOCK_D)
     seed = tl.load(SEED)
-    qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; the gradients' natural
-    diagonal = tile * BLOCK_N
-    k = rows_of(K, pos, dims, stride_kt, T, HS)
-    v = rows_of(V, pos, dims, stride_vt, T, HS)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, pos, dims, T,
-                          diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M,
-                          True, DROPOUT, PRECISION, LOG2)
-    dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, pos, dims, T, diagonal
-                          + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
-                          PRECISION, LOG2)
-    store_rows(DK + out, dk * scale, pos, dims, stride_gt, T, HS)
+    dk, dv = _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
+                       scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
+                       PRECISION, LOG2)
+    dq = _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
+                     scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_N, BLOCK_M, DROPOUT, PRECISION,
+                     LOG2)
+    pos, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # keys, queries
+    out = b * stride_gb + h * stride_gh
+    store_rows(DK + out, dk, pos, dims, stride_gt, T, HS)
     store_rows(DV + out, dv, pos, dims, stride_gt, T, HS)
-    q = rows_of(Q, pos, dims, stride_qt, T, HS)
-    do = rows_of(DO, pos, dims, stride_ot, T, HS)
-    lse = tl.load(LSE + pos, mask=pos < T, other=0.0)
-    d = tl.load(D + pos, mask=pos < T, other=0.0)
-    dq = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, pos, dims, T, 0, diagonal,
-                   qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT, PRECISION, LOG2)
-    dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, pos, dims, T, diagonal, diagonal
-                   + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, True, DROPOUT, PRECISION,
-                   LOG2)
-    store_rows(DQ + out, dq * scale, pos, dims, stride_gt, T, HS)
+    store_rows(DQ + out, dq, pos, dims, stride_gt, T, HS)
 
 
 @triton.jit
