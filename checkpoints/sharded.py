@@ -12,12 +12,12 @@ manifest.json (checkpoints/store.py):
     shards.json                      {"world_size": W, "tensors": {name: {"shape": [...],
                                      "rows": [[rank, start, stop], ...]}}}
 
-A name is "model/<parameter>" for a weight, "trainer/<path>" for a sharded tensor of the trainer
-state (an Adam moment: "trainer/optimizer/state/<parameter>/exp_avg"), which trainer.pt holds as
-{"shard": name}. A reader checks shards.json against every shard's safetensors header before it
-reads a byte, then reads any rows of any tensor: the weights whole (sample.py, evaluate.py,
-export.py, a resumed run's model), a rank's own rows of each moment (a resume on any number of
-ranks: hardware/distributed.py's `load_optimizer_state`).
+A name is "model/<parameter>" for a weight, "optimizer/state/<parameter>/<moment>" for an
+optimizer tensor (Adam's exp_avg and exp_avg_sq), which trainer.pt holds as {"shard": name}. A
+reader checks shards.json against every shard's safetensors header before it reads a byte, then
+reads any rows of any tensor: the weights whole (sample.py, evaluate.py, export.py, a resumed
+run's model), a rank's own rows of each moment (a resume on any number of ranks:
+hardware/distributed.py's `load_optimizer_state`).
 
 torch.distributed.checkpoint's format is not used: its metadata file is a pickle, and loading a
 checkpoint here never runs code.
