@@ -30,7 +30,7 @@ from checkpoints.store import (
 )
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
-from hardware.device import Precision, resolve_device, resolve_precision
+from hardware.device import Precision, configure_backends, resolve_device, resolve_precision
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
 from model.gpt import unavailable_attention
@@ -196,6 +196,7 @@ def load_evaluated(
     """The model `python evaluate.py` scores (checkpoint=, null: the newest run's) on its
     device, and the precision: a triton model without its GPU through sdpa, the same function."""
     device = resolve_device(cfg["device"])
+    configure_backends(device)
     precision = resolve_precision(device, cfg["dtype"])
     source = find_checkpoint() if cfg["checkpoint"] is None else cfg["checkpoint"]
     ckpt = load_source(source, device)

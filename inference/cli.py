@@ -22,7 +22,7 @@ from base.errors import ConfigError, check, non_negative_int, positive_int, user
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within, text_of
-from hardware.device import decoding_dtype, resolve_device
+from hardware.device import configure_backends, decoding_dtype, resolve_device
 from inference import attention_plot
 from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
 from model import GPT
@@ -219,6 +219,7 @@ def run(cfg: Mapping[str, Any], out: TextIO | None = None, err: TextIO | None = 
     out, err = out or sys.stdout, err or sys.stderr
     cfg = sample_settings(cfg)  # everything cheap checked before a model loads
     device = resolve_device(str(cfg["device"]))
+    configure_backends(device)
     dtype = decoding_dtype(str(cfg["dtype"]), device)
     source = cfg["checkpoint"]
     if source is None:  # train.py's runs only: -m sweeps live under multirun/

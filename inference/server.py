@@ -54,7 +54,7 @@ from base.errors import ConfigError, check, is_int, positive, user_errors
 from base.files import read_utf8
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from data.chat import IM_END, IM_START, generation_prompt, render, text_of
-from hardware.device import decoding_dtype, resolve_device
+from hardware.device import configure_backends, decoding_dtype, resolve_device
 from inference.attention_plot import formula_view, token_labels
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
@@ -766,6 +766,7 @@ def main(cfg: Mapping[str, Any]) -> int:
             warning = f"host={host}: anyone who can reach this port can use the model{keyless}"
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         device = resolve_device(str(cfg["device"]))
+        configure_backends(device)
         dtype = decoding_dtype(str(cfg["dtype"]), device)
         ipv6 = ":" in host
         try:
