@@ -41,8 +41,8 @@ SDPA_BACKENDS["sdpa-cudnn"] = "CUDNN_ATTENTION"
 TIMES = ("forward", "backward", "both")
 # The Triton kernel's variants (model/triton_attention.py's VARIANTS), alone and together: the
 # ablation rows a lent GPU measures beside cuDNN and FlashAttention-2 (sdpa-flash)
-TRITON = ("triton", "triton+log2", "triton+fused_d", "triton+heavy_first", "triton+one_launch")
-TRITON += ("triton+log2+fused_d+heavy_first+one_launch",)
+VARIANTS = ("log2", "fused_d", "heavy_first", "one_launch", "half_diagonal")
+TRITON = ("triton", *(f"triton+{name}" for name in VARIANTS), "+".join(("triton", *VARIANTS)))
 IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, *TRITON)
 DEFAULTS = {  # per device: implementations, dtype, lengths, head sizes
     "cpu": (["manual", "flash", "sdpa"], "float32", [2**i for i in range(7, 14)], [64]),

@@ -48,6 +48,9 @@ and benchmarks/bench_attention.py's `triton+<variant>` select them:
   causal mask the last tile walks every key tile, the first one; started first, the long ones
   do not trail the short ones at the end of the grid (dK dV's first key tiles are its heaviest,
   and already first).
+- `half_diagonal`: the backward's tiles that cross the diagonal, where `visible` masks, walked in
+  steps of half the tile (the tutorial's BLK_SLICE_FACTOR = 2): the same work in smaller pieces,
+  fewer registers live for the masked ones, for the GPU's ablation to weigh.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
-VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4, "one_launch": 8}  # `variants`' bits
+VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4, "one_launch": 8, "half_diagonal": 16}
 
 
 # The kernels' arguments one per line would bury the algorithm:
@@ -219,9 +222,10 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
 def _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale, seed,
               bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              LOG2: tl.constexpr):
+              LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
     """dK and dV of key tile `tile` (BLOCK_N keys) of the (batch, head) the pointers are at:
-    the query tiles at and after the diagonal, BLOCK_M at a time."""
+    the query tiles at and after the diagonal, BLOCK_M at a time (across the diagonal
+    BLOCK_M / 2 with HALF_DIAGONAL)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
     dims = tl.arange(0, BLOCK_D)
@@ -232,8 +236,8 @@ def _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, t
     diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
     qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dK's scale stays natural
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
-                          diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS, BLOCK_M,
-                          True, DROPOUT, PRECISION, LOG2)
+                          diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS,
+                          BLOCK_M >> HALF_DIAGONAL, True, DROPOUT, PRECISION, LOG2)
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
                           + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
                           PRECISION, LOG2)
@@ -246,7 +250,7 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                     stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
                     HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                    LOG2: tl.constexpr):
+                    LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
     """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dK's and dV's stride_g*."""
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
@@ -255,7 +259,7 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                        V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
                        LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile,
                        T, scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N,
-                       DROPOUT, PRECISION, LOG2)
+                       DROPOUT, PRECISION, LOG2, HALF_DIAGONAL)
     cols, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # the tile's keys
     out = b * stride_gb + h * stride_gh
     store_rows(DK + out, dk, cols, dims, stride_gt, T, HS)
@@ -288,9 +292,10 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 def _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale,
                 seed, bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, OWN: tl.constexpr,
                 WALK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                LOG2: tl.constexpr):
+                LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
     """dQ of query tile `tile` (OWN queries) of the (batch, head) the pointers are at: the key
-    tiles before the diagonal and across it, WALK at a time."""
+    tiles before the diagonal and across it, WALK at a time (across it WALK / 2 with
+    HALF_DIAGONAL)."""
     tl.static_assert(OWN % WALK == 0, "a program's own tile must be a multiple of the one it walks")
     rows = tile * OWN + tl.arange(0, OWN)  # query positions
     dims = tl.arange(0, BLOCK_D)
@@ -304,7 +309,8 @@ def _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot,
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
                    qk_scale, seed, bh, dropout_p, HS, WALK, False, DROPOUT, PRECISION, LOG2)
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
-                   + OWN, qk_scale, seed, bh, dropout_p, HS, WALK, True, DROPOUT, PRECISION, LOG2)
+                   + OWN, qk_scale, seed, bh, dropout_p, HS, WALK >> HALF_DIAGONAL, True, DROPOUT,
+                   PRECISION, LOG2)
     return dq * scale
 
 
@@ -314,7 +320,7 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr,
-                 HEAVY_FIRST: tl.constexpr):
+                 HEAVY_FIRST: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
     """dQ of query tile `query_tile` of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
     tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
@@ -323,7 +329,7 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                      V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
                      LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                      scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
-                     PRECISION, LOG2)
+                     PRECISION, LOG2, HALF_DIAGONAL)
     rows, dims = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     store_rows(DQ + b * stride_gb + h * stride_gh, dq, rows, dims, stride_gt, T, HS)
 
@@ -334,7 +340,7 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
                      stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
                      HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                     LOG2: tl.constexpr):
+                     LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
     """The `one_launch` variant: dK and dV of key tile program_id(0), as `_backward_dk_dv`, then
     dQ of the query tile at the same rows (BLOCK_N of them, walking the keys BLOCK_M at a time),
     as `_backward_dq`. dQ, dK and dV share the strides stride_g*."""
@@ -349,10 +355,10 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
     seed = tl.load(SEED)
     dk, dv = _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                        scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
-                       PRECISION, LOG2)
+                       PRECISION, LOG2, HALF_DIAGONAL)
     dq = _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                      scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_N, BLOCK_M, DROPOUT, PRECISION,
-                     LOG2)
+                     LOG2, HALF_DIAGONAL)
     pos, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # keys, queries
     out = b * stride_gb + h * stride_gh
     store_rows(DK + out, dk, pos, dims, stride_gt, T, HS)
@@ -395,7 +401,8 @@ def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
 # kernel's static_assert; autotune skips a configuration that fails it). Dropout's Philox draws
 # change a kernel's fastest tiles, so they are tuned apart.
 KEY = ["T", "HS", "DROPOUT", "LOG2", "HEAVY_FIRST"]
-KEY_DK_DV = KEY[:-1]  # its heaviest tiles, the first keys', come first already
+KEY_DQ = [*KEY, "HALF_DIAGONAL"]
+KEY_DK_DV = [*KEY[:-1], "HALF_DIAGONAL"]  # its heaviest tiles, the first keys', come first already
 forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
 backward_dk_dv = triton.autotune(
     tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
@@ -403,7 +410,7 @@ backward_dk_dv = triton.autotune(
 backward_paired = triton.autotune(  # dK dV's tiles: the program's own rows are BLOCK_N
     tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
 )(_backward_paired)
-backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(
+backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY_DQ)(
     _backward_dq
 )
 
@@ -482,6 +489,7 @@ def _attention_backward(
     d = _rowsum(do, y, variants)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
     scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p, variants)
+    constants["HALF_DIAGONAL"] = bool(variants & VARIANTS["half_diagonal"])  # the backward's own
     dk_dv_constants = {k: v for k, v in constants.items() if k != "HEAVY_FIRST"}  # KEY_DK_DV
     if variants & VARIANTS["one_launch"]:
         backward_paired[_grid("BLOCK_N", T, B * nh)](

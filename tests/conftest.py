@@ -45,7 +45,7 @@ from checkpoints.store import save_checkpoint  # noqa: E402
 from data.pipeline import PreparedData, prepare_data  # noqa: E402
 from data.tokenizer import get_tokenizer, parse_tokenizer, train_bpe  # noqa: E402
 from evals.tasks import task_config  # noqa: E402
-from hardware.device import Precision  # noqa: E402
+from hardware.device import Precision, keep_freed_memory  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.gpt import unavailable_attention  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
@@ -57,6 +57,9 @@ from trainer.reporting import METRICS_FILE, read_metrics  # noqa: E402
 # took 349 s with torch's default threads, 184 s on one (2 workers, 2 Zen 3 cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+# Every test's allocations as the programs' are (train.py, evaluate.py, sample.py and serve.py
+# set it up before their first tensor): freed memory kept, not page-faulted in again.
+keep_freed_memory()
 
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))  # nano, mini, gpt2, ...
 

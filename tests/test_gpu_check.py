@@ -87,3 +87,15 @@ def test_the_staged_directory_installs_what_the_gpu_machine_lacks(tmp_path):
     assert {"fastapi", "uvicorn", "pydantic_core", "pytest"} <= {p.name for p in site.iterdir()}
     # ignored, so it travels only with carry=[".gpu"] and never lands in a commit
     assert "/.gpu/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_ablation_has_every_variant_of_the_kernel(monkeypatch):
+    """bench_attention.py names the variants for its command line without importing Triton: a
+    variant added to the kernel and not there would have no ablation row on the next GPU."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_attention
+
+    from model.triton_attention import VARIANTS
+
+    assert tuple(VARIANTS) == bench_attention.VARIANTS
+    assert f"triton+{'+'.join(VARIANTS)}" in bench_attention.TRITON  # and all of them together

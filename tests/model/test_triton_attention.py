@@ -8,6 +8,8 @@ scripts/gpu_check.sh on a lent GPU (docs/performance.md).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux only)")
@@ -333,12 +335,26 @@ def test_one_launch_with_its_own_tiles_twice_those_it_walks_gives_the_formulas_g
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_dropout_and_the_log2_variant_are_in_every_kernels_autotune_key():
-    """With dropout, a kernel draws Philox numbers per element; the log2 variant is another
-    compiled kernel: the fastest tiles of each are tuned apart."""
-    for tuned in (kernel.forward, kernel.backward_dk_dv, kernel.backward_dq):
-        assert {"T", "HS", "DROPOUT", "LOG2"} <= set(tuned.keys)
-    assert "HEAVY_FIRST" in kernel.forward.keys and "HEAVY_FIRST" in kernel.backward_dq.keys
+def test_every_switch_of_a_kernel_is_in_its_autotune_key():
+    """Dropout draws Philox numbers per element; each variant is another compiled kernel: the
+    fastest tiles of each are tuned apart. Every compile-time argument of a kernel but its tiles
+    and PRECISION (the dtype's, which autotune keys on itself) is in its key."""
+    for tuned in (
+        kernel.forward,
+        kernel.backward_dk_dv,
+        kernel.backward_paired,
+        kernel.backward_dq,
+    ):
+        signature = inspect.signature(tuned.fn.fn)
+        switches = {
+            name
+            for name, parameter in signature.parameters.items()
+            if parameter.annotation in ("tl.constexpr", tl.constexpr)
+            and not name.startswith("BLOCK_")
+            and name != "PRECISION"
+        }
+        assert "DROPOUT" in switches, signature  # the annotations were read
+        assert {"T", *switches} <= set(tuned.keys), (tuned.fn.fn.__name__, tuned.keys)
 
 
 def test_torch_compile_traces_the_model_through_the_operator_without_a_graph_break():
