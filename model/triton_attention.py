@@ -388,31 +388,53 @@ def _preprocess(Y, DO, D, stride_yb, stride_yh, stride_yt, stride_ob, stride_oh,
 
 def tilings(*shapes: tuple[int, int, int, int]) -> list[triton.Config]:
     """Launch configurations (BLOCK_M, BLOCK_N, warps, stages) for triton.autotune, which times
-    each on the first call per (T, head size, dtype) and keeps the fastest. The interpreter's
-    one: tiles of 16, so that the tests' short sequences cross several tiles."""
+    those `fitting` keeps on the first call per (T, head size, dtype, switches) and keeps the
+    fastest. The interpreter's one: tiles of 16, so that the tests' short sequences cross
+    several tiles."""
     if INTERPRETED:
         shapes = ((16, 16, 1, 1),)
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
             for m, n, w, s in shapes]  # fmt: skip
 
 
+def fitting(configs: list[triton.Config], args: dict, HS: int, **_) -> list[triton.Config]:
+    """triton.autotune's early_config_prune: the configurations timed for this call's dtype and
+    head size. float32, whose operands take twice the shared memory and multiply without tensor
+    cores, times the two-stage ones, tiles of 64 x 64 at most: larger ones spill and are slow to
+    compile (the check's float32 rows must fit its time). Half precision times the deeper
+    pipelines, and for a head over 64 no 128-row tile on 4 warps: its float32 accumulator alone
+    is 128 registers a thread."""
+    if args["Q"].element_size() == 4:
+        return [c for c in configs if c.num_stages <= 2]
+
+    def spills(c: triton.Config) -> bool:
+        return HS > 64 and c.num_warps == 4 and 128 in (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
+
+    return [c for c in configs if c.num_stages > 2 and not spills(c)]
+
+
 # Each kernel's loops step through its diagonal tile in steps of the other tile, so the tile it
 # owns is a multiple of the one it walks: the forward's and dQ's BLOCK_M, dK dV's BLOCK_N (each
-# kernel's static_assert; autotune skips a configuration that fails it). Dropout's Philox draws
-# change a kernel's fastest tiles, so they are tuned apart.
+# kernel's static_assert). Dropout's Philox draws and each variant change a kernel's fastest
+# tiles, so they are tuned apart.
+FORWARD_TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 2),
+                 (64, 32, 4, 2))  # fmt: skip
+DK_DV_TILES = ((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2),
+               (32, 64, 4, 2))  # fmt: skip
+DQ_TILES = ((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2),
+            (64, 32, 4, 2))  # fmt: skip
 KEY = ["T", "HS", "DROPOUT", "LOG2", "HEAVY_FIRST"]
 KEY_DQ = [*KEY, "HALF_DIAGONAL"]
 KEY_DK_DV = [*KEY[:-1], "HALF_DIAGONAL"]  # its heaviest tiles, the first keys', come first already
-forward = triton.autotune(tilings((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY)(_forward)
-backward_dk_dv = triton.autotune(
-    tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
-)(_backward_dk_dv)
-backward_paired = triton.autotune(  # dK dV's tiles: the program's own rows are BLOCK_N
-    tilings((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)), KEY_DK_DV
-)(_backward_paired)
-backward_dq = triton.autotune(tilings((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)), KEY_DQ)(
-    _backward_dq
+PRUNE = dict(early_config_prune=fitting)
+forward = triton.autotune(tilings(*FORWARD_TILES), KEY, prune_configs_by=PRUNE)(_forward)
+backward_dk_dv = triton.autotune(tilings(*DK_DV_TILES), KEY_DK_DV, prune_configs_by=PRUNE)(
+    _backward_dk_dv
 )
+backward_paired = triton.autotune(  # dK dV's tiles: the program's own rows are BLOCK_N
+    tilings(*DK_DV_TILES), KEY_DK_DV, prune_configs_by=PRUNE
+)(_backward_paired)
+backward_dq = triton.autotune(tilings(*DQ_TILES), KEY_DQ, prune_configs_by=PRUNE)(_backward_dq)
 
 
 def _launch_args(*tensors: torch.Tensor) -> list[int]:

@@ -401,3 +401,32 @@ def test_evaluate_py_scores_a_triton_checkpoint_through_sdpa_where_the_kernel_ca
         "TRITON_INTERPRET=1 to run it (slowly) under Triton's interpreter; scoring through "
         "model.attention=sdpa, the same function"
     )
+
+
+@pytest.mark.parametrize(
+    "tiles, owner",  # the tile a kernel owns is a multiple of the one it walks (static_assert)
+    [
+        (kernel.FORWARD_TILES, "BLOCK_M"),
+        (kernel.DK_DV_TILES, "BLOCK_N"),
+        (kernel.DQ_TILES, "BLOCK_M"),
+    ],
+)
+def test_autotune_times_tiles_that_fit_the_dtype_and_the_head_size(monkeypatch, tiles, owner):
+    """On a GPU each kernel times the configurations `fitting` keeps for its call: float32 only
+    tiles of 64 x 64 at most (larger ones spill and are slow to compile), half precision
+    at a head of 128 no 128-row tile on 4 warps; at least one each time, and every one a
+    configuration the kernel compiles."""
+    monkeypatch.setattr(kernel, "INTERPRETED", False)  # the GPU's list, not the interpreter's one
+    configs = kernel.tilings(*tiles)
+    walked = "BLOCK_N" if owner == "BLOCK_M" else "BLOCK_M"
+    assert all(c.kwargs[owner] % c.kwargs[walked] == 0 for c in configs)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for hs in (64, 96, 128):
+            kept = kernel.fitting(configs, {"Q": torch.empty(1, dtype=dtype)}, HS=hs)
+            assert kept, (dtype, hs)
+            if dtype == torch.float32:
+                assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in kept)
+            elif hs > 64:
+                assert not [c for c in kept if c.num_warps == 4 and 128 in c.kwargs.values()]
+            else:
+                assert len(kept) > len(kernel.fitting(configs, {"Q": torch.empty(1)}, HS=hs))
