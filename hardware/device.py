@@ -202,8 +202,9 @@ def keep_freed_memory() -> None:
     mapped: 1.4-3.4x an eager step's tokens/s for the small presets on a 2-core Xeon, and the
     README's short run in 27 s instead of 70 (docs/performance.md). The process then holds the
     most it ever held, as a run does at every step anyway. Not glibc (macOS, musl): no-op."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if sys.platform == "linux" and mallopt is not None:
+    if sys.platform != "linux":  # CDLL(None), the process's own symbols, is POSIX's alone
+        return
+    if (mallopt := getattr(ctypes.CDLL(None), "mallopt", None)) is not None:
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
         mallopt(M_MMAP_MAX, 0)  # every block from the heap
         mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap's freed top kept
