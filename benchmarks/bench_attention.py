@@ -41,7 +41,7 @@ SDPA_BACKENDS["sdpa-cudnn"] = "CUDNN_ATTENTION"
 TIMES = ("forward", "backward", "both")
 # The Triton kernel's variants (model/triton_attention.py's VARIANTS), alone and together: the
 # ablation rows a lent GPU measures beside cuDNN and FlashAttention-2 (sdpa-flash)
-VARIANTS = ("log2", "fused_d", "heavy_first", "one_launch", "half_diagonal")
+VARIANTS = ("log2", "fused_d", "heavy_first", "one_launch", "half_diagonal", "descriptors")
 TRITON = ("triton", *(f"triton+{name}" for name in VARIANTS), "+".join(("triton", *VARIANTS)))
 IMPLS = ("manual", "flash", "sdpa", *SDPA_BACKENDS, *TRITON)
 DEFAULTS = {  # per device: implementations, dtype, lengths, head sizes

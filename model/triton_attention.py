@@ -51,6 +51,11 @@ and benchmarks/bench_attention.py's `triton+<variant>` select them:
 - `half_diagonal`: the backward's tiles that cross the diagonal, where `visible` masks, walked in
   steps of half the tile (the tutorial's BLK_SLICE_FACTOR = 2): the same work in smaller pieces,
   fewer registers live for the masked ones, for the GPU's ablation to weigh.
+- `descriptors`: the tiles of Q, K, V, dO read and of Y, dQ, dK, dV written through tensor
+  descriptors (`tiles_of`), made once per program and walk: on Hopper the TMA unit copies a
+  whole tile, zeros past T and HS included, where the pointer path has every thread compute and
+  mask its addresses. Before Hopper, or where a start or stride is not a multiple of 16 bytes
+  (`_descriptors_fit`), the kernels keep their pointers.
 """
 
 from __future__ import annotations
@@ -64,7 +69,14 @@ import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2(e)): the GPU's own instruction
-VARIANTS = {"log2": 1, "fused_d": 2, "heavy_first": 4, "one_launch": 8, "half_diagonal": 16}
+VARIANTS = {
+    "log2": 1,
+    "fused_d": 2,
+    "heavy_first": 4,
+    "one_launch": 8,
+    "half_diagonal": 16,
+    "descriptors": 32,
+}
 
 
 # The kernels' arguments one per line would bury the algorithm:
@@ -81,19 +93,35 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def rows_of(X, pos, dims, stride_t, T, HS: tl.constexpr):
-    """Rows `pos` of one (batch, head)'s X (T, HS): zeros past T (the ragged last tile) and past
-    HS (a head size padded to a power of two)."""
+def tiles_of(X, stride_t, T, HS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+             DESCRIPTORS: tl.constexpr):
+    """One (batch, head)'s X (T, HS) for rows_of and store_rows to move BLOCK rows at a time:
+    with DESCRIPTORS a tensor descriptor (made once, before a walk), else X's pointer itself."""
+    if DESCRIPTORS:
+        return tl.make_tensor_descriptor(X, [T, HS], [stride_t, 1], [BLOCK, BLOCK_D])
+    return X
+
+
+@triton.jit
+def rows_of(X, start, pos, dims, stride_t, T, HS: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """Rows pos = start + arange of tiles_of's X: zeros past T (the ragged last tile) and past HS
+    (a head size padded to a power of two), by the descriptor's bounds or by a mask."""
+    if DESCRIPTORS:
+        return X.load([start, 0])
     inside = (pos[:, None] < T) & (dims[None, :] < HS)
     return tl.load(X + pos[:, None].to(tl.int64) * stride_t + dims[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
-def store_rows(X, value, pos, dims, stride_t, T, HS: tl.constexpr):
-    """Write `value` to rows `pos` of one (batch, head)'s X (T, HS), inside its bounds."""
-    inside = (pos[:, None] < T) & (dims[None, :] < HS)
-    at = X + pos[:, None].to(tl.int64) * stride_t + dims[None, :]
-    tl.store(at, value.to(X.dtype.element_ty), mask=inside)
+def store_rows(X, value, start, pos, dims, stride_t, T, HS: tl.constexpr,
+               DESCRIPTORS: tl.constexpr):
+    """Write `value` to rows pos = start + arange of tiles_of's X, inside its bounds."""
+    if DESCRIPTORS:
+        X.store([start, 0], value.to(X.dtype))
+    else:
+        inside = (pos[:, None] < T) & (dims[None, :] < HS)
+        at = X + pos[:, None].to(tl.int64) * stride_t + dims[None, :]
+        tl.store(at, value.to(X.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -131,13 +159,14 @@ def keep(seed, bh, rows, cols, T, dropout_p):
 @triton.jit
 def _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
                    bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
+                   DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr,
+                   DESCRIPTORS: tl.constexpr):
     """The online softmax over the key tiles [k_lo, k_hi) for one query tile; MASKED: the tiles
     crossing the diagonal (and the ragged end), where `visible` decides."""
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
-        k = rows_of(K, cols, dims, stride_kt, T, HS)  # (BLOCK_N, BLOCK_D)
-        v = rows_of(V, cols, dims, stride_vt, T, HS)
+        k = rows_of(K, k0, cols, dims, stride_kt, T, HS, DESCRIPTORS)  # (BLOCK_N, BLOCK_D)
+        v = rows_of(V, k0, cols, dims, stride_vt, T, HS, DESCRIPTORS)
         s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
         if MASKED:
             s = tl.where(visible(rows[:, None], cols[None, :]), s, float("-inf"))
@@ -159,32 +188,33 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
              stride_vb, stride_vh, stride_vt, stride_yb, stride_yh, stride_yt, H, T, scale, SEED,
              dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-             LOG2: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+             LOG2: tl.constexpr, HEAVY_FIRST: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """Y and LSE of query tile `query_tile` of (batch, head) program_id(1)."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N (tilings)")
     tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
     b, h = bh // H, bh % H
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions
+    Q = tiles_of(Q + b * stride_qb + h * stride_qh, stride_qt, T, HS, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    K = tiles_of(K + b * stride_kb + h * stride_kh, stride_kt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    V = tiles_of(V + b * stride_vb + h * stride_vh, stride_vt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    Y = tiles_of(Y + b * stride_yb + h * stride_yh, stride_yt, T, HS, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    diagonal = tile * BLOCK_M  # keys before it are in the past of every row of the tile
+    rows = diagonal + tl.arange(0, BLOCK_M)  # query positions
     dims = tl.arange(0, BLOCK_D)
-    q = rows_of(Q, rows, dims, stride_qt, T, HS)  # (BLOCK_M, BLOCK_D)
+    q = rows_of(Q, diagonal, rows, dims, stride_qt, T, HS, DESCRIPTORS)  # (BLOCK_M, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     seed = tl.load(SEED)
-    diagonal = tile * BLOCK_M  # keys before it are in the past of every row of the tile
     if LOG2:
         scale *= LOG2E  # the scores in log2 units
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
                                scale, seed, bh, dropout_p, HS, BLOCK_N, False, DROPOUT, PRECISION,
-                               LOG2)
+                               LOG2, DESCRIPTORS)
     acc, m, l = _forward_tiles(acc, m, l, q, K, V, stride_kt, stride_vt, rows, dims, T, diagonal,
                                diagonal + BLOCK_M, scale, seed, bh, dropout_p, HS, BLOCK_N, True,
-                               DROPOUT, PRECISION, LOG2)
+                               DROPOUT, PRECISION, LOG2, DESCRIPTORS)
     y = acc / l[:, None]
-    store_rows(Y + b * stride_yb + h * stride_yh, y, rows, dims, stride_yt, T, HS)
+    store_rows(Y, y, diagonal, rows, dims, stride_yt, T, HS, DESCRIPTORS)
     lse = m + (tl.log2(l) if LOG2 else tl.log(l))
     tl.store(LSE + bh * T + rows, lse, mask=rows < T)
 
@@ -193,13 +223,15 @@ def _forward(Q, K, V, Y, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride
 def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims, T, q_lo, q_hi,
                  scale, seed, bh, dropout_p, HS: tl.constexpr, BLOCK_M: tl.constexpr,
                  MASKED: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                 LOG2: tl.constexpr):
+                 LOG2: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dK and dV of one key tile from the query tiles [q_lo, q_hi), transposed: the tile's
     rows are its keys, so P^T, dP^T and dS^T come straight out of the matmuls."""
+    Q = tiles_of(Q, stride_qt, T, HS, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    DO = tiles_of(DO, stride_dot, T, HS, BLOCK_M, BLOCK_D, DESCRIPTORS)
     for q0 in range(q_lo, q_hi, BLOCK_M):
         rows = q0 + tl.arange(0, BLOCK_M)  # query positions
-        q = rows_of(Q, rows, dims, stride_qt, T, HS)  # (BLOCK_M, BLOCK_D)
-        do = rows_of(DO, rows, dims, stride_dot, T, HS)
+        q = rows_of(Q, q0, rows, dims, stride_qt, T, HS, DESCRIPTORS)  # (BLOCK_M, BLOCK_D)
+        do = rows_of(DO, q0, rows, dims, stride_dot, T, HS, DESCRIPTORS)
         lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
         d = tl.load(D + rows, mask=rows < T, other=0.0)
         s_t = mm(k, tl.trans(q), PRECISION) * scale  # S^T: (BLOCK_N, BLOCK_M)
@@ -222,25 +254,28 @@ def _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_dot, cols, dims,
 def _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale, seed,
               bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
+              LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dK and dV of key tile `tile` (BLOCK_N keys) of the (batch, head) the pointers are at:
     the query tiles at and after the diagonal, BLOCK_M at a time (across the diagonal
     BLOCK_M / 2 with HALF_DIAGONAL)."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M (tilings)")
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
+    diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
+    cols = diagonal + tl.arange(0, BLOCK_N)  # key positions
     dims = tl.arange(0, BLOCK_D)
-    k = rows_of(K, cols, dims, stride_kt, T, HS)  # the tile
-    v = rows_of(V, cols, dims, stride_vt, T, HS)
+    K = tiles_of(K, stride_kt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    V = tiles_of(V, stride_vt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    k = rows_of(K, diagonal, cols, dims, stride_kt, T, HS, DESCRIPTORS)  # the tile
+    v = rows_of(V, diagonal, cols, dims, stride_vt, T, HS, DESCRIPTORS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    diagonal = tile * BLOCK_N  # queries before it see none of these keys: never visited
     qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dK's scale stays natural
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T,
                           diagonal, diagonal + BLOCK_N, qk_scale, seed, bh, dropout_p, HS,
-                          BLOCK_M >> HALF_DIAGONAL, True, DROPOUT, PRECISION, LOG2)
+                          BLOCK_M >> HALF_DIAGONAL, True, DROPOUT, PRECISION, LOG2, BLOCK_D,
+                          DESCRIPTORS)
     dk, dv = _dk_dv_tiles(dk, dv, k, v, Q, DO, LSE, D, stride_qt, stride_ot, cols, dims, T, diagonal
                           + BLOCK_N, T, qk_scale, seed, bh, dropout_p, HS, BLOCK_M, False, DROPOUT,
-                          PRECISION, LOG2)
+                          PRECISION, LOG2, BLOCK_D, DESCRIPTORS)
     return dk * scale, dv
 
 
@@ -250,7 +285,7 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                     stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
                     HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                    LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
+                    LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dK and dV of key tile program_id(0) of (batch, head) program_id(1); dO's strides are
     stride_o*, dK's and dV's stride_g*."""
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
@@ -259,22 +294,27 @@ def _backward_dk_dv(Q, K, V, DO, DK, DV, LSE, D, stride_qb, stride_qh, stride_qt
                        V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
                        LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile,
                        T, scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N,
-                       DROPOUT, PRECISION, LOG2, HALF_DIAGONAL)
-    cols, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # the tile's keys
-    out = b * stride_gb + h * stride_gh
-    store_rows(DK + out, dk, cols, dims, stride_gt, T, HS)
-    store_rows(DV + out, dv, cols, dims, stride_gt, T, HS)
+                       DROPOUT, PRECISION, LOG2, HALF_DIAGONAL, DESCRIPTORS)
+    start, dims = tile * BLOCK_N, tl.arange(0, BLOCK_D)
+    cols, out = start + tl.arange(0, BLOCK_N), b * stride_gb + h * stride_gh  # the tile's keys
+    DK = tiles_of(DK + out, stride_gt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    DV = tiles_of(DV + out, stride_gt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    store_rows(DK, dk, start, cols, dims, stride_gt, T, HS, DESCRIPTORS)
+    store_rows(DV, dv, start, cols, dims, stride_gt, T, HS, DESCRIPTORS)
 
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo, k_hi, scale, seed,
               bh, dropout_p, HS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr,
+              BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dQ of one query tile from the key tiles [k_lo, k_hi)."""
+    K = tiles_of(K, stride_kt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    V = tiles_of(V, stride_vt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
     for k0 in range(k_lo, k_hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)  # key positions
-        k = rows_of(K, cols, dims, stride_kt, T, HS)  # (BLOCK_N, BLOCK_D)
-        v = rows_of(V, cols, dims, stride_vt, T, HS)
+        k = rows_of(K, k0, cols, dims, stride_kt, T, HS, DESCRIPTORS)  # (BLOCK_N, BLOCK_D)
+        v = rows_of(V, k0, cols, dims, stride_vt, T, HS, DESCRIPTORS)
         s = mm(q, tl.trans(k), PRECISION) * scale  # S: (BLOCK_M, BLOCK_N)
         p = exp(s - lse[:, None], LOG2)  # the forward's P, recomputed
         if MASKED:
@@ -292,25 +332,28 @@ def _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, k_lo
 def _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T, scale,
                 seed, bh, dropout_p, HS: tl.constexpr, BLOCK_D: tl.constexpr, OWN: tl.constexpr,
                 WALK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
+                LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """dQ of query tile `tile` (OWN queries) of the (batch, head) the pointers are at: the key
     tiles before the diagonal and across it, WALK at a time (across it WALK / 2 with
     HALF_DIAGONAL)."""
     tl.static_assert(OWN % WALK == 0, "a program's own tile must be a multiple of the one it walks")
-    rows = tile * OWN + tl.arange(0, OWN)  # query positions
+    diagonal = tile * OWN
+    rows = diagonal + tl.arange(0, OWN)  # query positions
     dims = tl.arange(0, BLOCK_D)
-    q = rows_of(Q, rows, dims, stride_qt, T, HS)
-    do = rows_of(DO, rows, dims, stride_ot, T, HS)
+    q = rows_of(tiles_of(Q, stride_qt, T, HS, OWN, BLOCK_D, DESCRIPTORS), diagonal, rows, dims,
+                stride_qt, T, HS, DESCRIPTORS)
+    do = rows_of(tiles_of(DO, stride_ot, T, HS, OWN, BLOCK_D, DESCRIPTORS), diagonal, rows, dims,
+                 stride_ot, T, HS, DESCRIPTORS)
     lse = tl.load(LSE + rows, mask=rows < T, other=0.0)
     d = tl.load(D + rows, mask=rows < T, other=0.0)
     dq = tl.zeros([OWN, BLOCK_D], tl.float32)
-    diagonal = tile * OWN
     qk_scale = scale * LOG2E if LOG2 else scale  # the forward's scores; dQ's scale stays natural
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, 0, diagonal,
-                   qk_scale, seed, bh, dropout_p, HS, WALK, False, DROPOUT, PRECISION, LOG2)
+                   qk_scale, seed, bh, dropout_p, HS, WALK, False, DROPOUT, PRECISION, LOG2,
+                   BLOCK_D, DESCRIPTORS)
     dq = _dq_tiles(dq, q, do, lse, d, K, V, stride_kt, stride_vt, rows, dims, T, diagonal, diagonal
                    + OWN, qk_scale, seed, bh, dropout_p, HS, WALK >> HALF_DIAGONAL, True, DROPOUT,
-                   PRECISION, LOG2)
+                   PRECISION, LOG2, BLOCK_D, DESCRIPTORS)
     return dq * scale
 
 
@@ -320,7 +363,8 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                  stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p, HS: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2: tl.constexpr,
-                 HEAVY_FIRST: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
+                 HEAVY_FIRST: tl.constexpr, HALF_DIAGONAL: tl.constexpr,
+                 DESCRIPTORS: tl.constexpr):
     """dQ of query tile `query_tile` of (batch, head) program_id(1); dO's strides are
     stride_o*, dQ's stride_g*."""
     tile, bh = query_tile(HEAVY_FIRST), tl.program_id(1).to(tl.int64)  # 64-bit offsets (doc)
@@ -329,9 +373,10 @@ def _backward_dq(Q, K, V, DO, DQ, LSE, D, stride_qb, stride_qh, stride_qt, strid
                      V + b * stride_vb + h * stride_vh, DO + b * stride_ob + h * stride_oh,
                      LSE + bh * T, D + bh * T, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                      scale, tl.load(SEED), bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
-                     PRECISION, LOG2, HALF_DIAGONAL)
-    rows, dims = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    store_rows(DQ + b * stride_gb + h * stride_gh, dq, rows, dims, stride_gt, T, HS)
+                     PRECISION, LOG2, HALF_DIAGONAL, DESCRIPTORS)
+    start, dims, out = tile * BLOCK_M, tl.arange(0, BLOCK_D), b * stride_gb + h * stride_gh
+    DQ = tiles_of(DQ + out, stride_gt, T, HS, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    store_rows(DQ, dq, start, start + tl.arange(0, BLOCK_M), dims, stride_gt, T, HS, DESCRIPTORS)
 
 
 @triton.jit
@@ -340,7 +385,7 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
                      stride_ot, stride_gb, stride_gh, stride_gt, H, T, scale, SEED, dropout_p,
                      HS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                     LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr):
+                     LOG2: tl.constexpr, HALF_DIAGONAL: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """The `one_launch` variant: dK and dV of key tile program_id(0), as `_backward_dk_dv`, then
     dQ of the query tile at the same rows (BLOCK_N of them, walking the keys BLOCK_M at a time),
     as `_backward_dq`. dQ, dK and dV share the strides stride_g*."""
@@ -355,15 +400,18 @@ def _backward_paired(Q, K, V, DO, DQ, DK, DV, LSE, D, stride_qb, stride_qh, stri
     seed = tl.load(SEED)
     dk, dv = _key_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                        scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT,
-                       PRECISION, LOG2, HALF_DIAGONAL)
+                       PRECISION, LOG2, HALF_DIAGONAL, DESCRIPTORS)
     dq = _query_tile(Q, K, V, DO, LSE, D, stride_qt, stride_kt, stride_vt, stride_ot, tile, T,
                      scale, seed, bh, dropout_p, HS, BLOCK_D, BLOCK_N, BLOCK_M, DROPOUT, PRECISION,
-                     LOG2, HALF_DIAGONAL)
-    pos, dims = tile * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)  # keys, queries
-    out = b * stride_gb + h * stride_gh
-    store_rows(DK + out, dk, pos, dims, stride_gt, T, HS)
-    store_rows(DV + out, dv, pos, dims, stride_gt, T, HS)
-    store_rows(DQ + out, dq, pos, dims, stride_gt, T, HS)
+                     LOG2, HALF_DIAGONAL, DESCRIPTORS)
+    start, dims = tile * BLOCK_N, tl.arange(0, BLOCK_D)
+    pos, out = start + tl.arange(0, BLOCK_N), b * stride_gb + h * stride_gh  # keys, queries
+    DK = tiles_of(DK + out, stride_gt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    DV = tiles_of(DV + out, stride_gt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    DQ = tiles_of(DQ + out, stride_gt, T, HS, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    store_rows(DK, dk, start, pos, dims, stride_gt, T, HS, DESCRIPTORS)
+    store_rows(DV, dv, start, pos, dims, stride_gt, T, HS, DESCRIPTORS)
+    store_rows(DQ, dq, start, pos, dims, stride_gt, T, HS, DESCRIPTORS)
 
 
 @triton.jit
@@ -373,10 +421,11 @@ def _preprocess(Y, DO, D, stride_yb, stride_yh, stride_yt, stride_ob, stride_oh,
     (the `fused_d` variant)."""
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets (module doc)
     b, h = bh // H, bh % H
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    y = rows_of(Y + b * stride_yb + h * stride_yh, rows, dims, stride_yt, T, HS).to(tl.float32)
-    do = rows_of(DO + b * stride_ob + h * stride_oh, rows, dims, stride_ot, T, HS).to(tl.float32)
+    start, dims = tile * BLOCK_M, tl.arange(0, BLOCK_D)
+    rows = start + tl.arange(0, BLOCK_M)
+    y = rows_of(Y + b * stride_yb + h * stride_yh, start, rows, dims, stride_yt, T, HS, False)
+    do = rows_of(DO + b * stride_ob + h * stride_oh, start, rows, dims, stride_ot, T, HS, False)
+    y, do = y.to(tl.float32), do.to(tl.float32)
     tl.store(D + bh * T + rows, tl.sum(do * y, 1), mask=rows < T)
 
 
@@ -423,7 +472,7 @@ DK_DV_TILES = ((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
                (32, 64, 4, 2))  # fmt: skip
 DQ_TILES = ((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2),
             (64, 32, 4, 2))  # fmt: skip
-KEY = ["T", "HS", "DROPOUT", "LOG2", "HEAVY_FIRST"]
+KEY = ["T", "HS", "DROPOUT", "LOG2", "DESCRIPTORS", "HEAVY_FIRST"]
 KEY_DQ = [*KEY, "HALF_DIAGONAL"]
 KEY_DK_DV = [*KEY[:-1], "HALF_DIAGONAL"]  # its heaviest tiles, the first keys', come first already
 PRUNE = dict(early_config_prune=fitting)
@@ -446,13 +495,33 @@ def _dense_last(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def _constants(q: torch.Tensor, dropout_p: float, variants: int) -> dict:
-    """The compile-time constants every kernel takes, for q (B, nh, T, hs)."""
+def _constants(dropout_p: float, variants: int, q: torch.Tensor, *tensors: torch.Tensor) -> dict:
+    """The compile-time constants every kernel takes, for q (B, nh, T, hs) and the tensors the
+    kernels read and write beside it."""
     hs = q.size(-1)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # ieee: no TF32 for float32
+    chosen = {name: bool(variants & bit) for name, bit in VARIANTS.items()}
     return dict(HS=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), DROPOUT=dropout_p > 0,
-                PRECISION=precision, LOG2=bool(variants & VARIANTS["log2"]),
-                HEAVY_FIRST=bool(variants & VARIANTS["heavy_first"]))  # fmt: skip
+                PRECISION=precision, LOG2=chosen["log2"], HEAVY_FIRST=chosen["heavy_first"],
+                DESCRIPTORS=chosen["descriptors"] and _descriptors_fit(q, *tensors))  # fmt: skip
+
+
+def _descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """Whether the `descriptors` variant can run on these tensors: a GPU with a TMA unit
+    (compute capability 9, Hopper, or later; or the interpreter), every (batch, head)'s start a
+    multiple of 16 bytes, as TMA requires of a base address and its strides. Elsewhere the
+    kernels keep their pointers. On a GPU, a descriptor made in a kernel lives in scratch
+    memory that Triton asks its allocator for: torch's caching allocator here."""
+    if not INTERPRETED:
+        if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+            return False
+        triton.set_allocator(_scratch)
+    starts = [(t.data_ptr(), *(s * t.element_size() for s in t.stride()[:3])) for t in tensors]
+    return all(n % 16 == 0 for start in starts for n in start)  # bytes
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device, as the launch
 
 
 def _new_heads(q: torch.Tensor) -> torch.Tensor:
@@ -483,7 +552,7 @@ def _attention(
     lse = torch.empty(B, nh, T, device=q.device, dtype=torch.float32)
     forward[_grid("BLOCK_M", T, B * nh)](
         q, k, v, y, lse, *_launch_args(q, k, v, y), nh, T, 1.0 / math.sqrt(hs), seed, dropout_p,
-        **_constants(q, dropout_p, variants),
+        **_constants(dropout_p, variants, q, k, v, y),
     )  # fmt: skip
     return y, lse
 
@@ -510,7 +579,7 @@ def _attention_backward(
     B, nh, T, hs = q.shape
     d = _rowsum(do, y, variants)  # D = rowsum(dO * Y) = rowsum(P * dP), (B, nh, T)
     dq, dk, dv = _new_heads(q), _new_heads(k), _new_heads(v)
-    scale, constants = 1.0 / math.sqrt(hs), _constants(q, dropout_p, variants)
+    scale, constants = 1.0 / math.sqrt(hs), _constants(dropout_p, variants, q, k, v, do, dq, dk, dv)
     constants["HALF_DIAGONAL"] = bool(variants & VARIANTS["half_diagonal"])  # the backward's own
     dk_dv_constants = {k: v for k, v in constants.items() if k != "HEAVY_FIRST"}  # KEY_DK_DV
     if variants & VARIANTS["one_launch"]:

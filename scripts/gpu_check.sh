@@ -39,7 +39,7 @@ if ((SMOKE)); then
   export TRITON_INTERPRET=1
   KERNEL=(--device cpu --head-sizes 16 --lengths 40)
   ATTENTION=(--device cpu --impls sdpa triton
-             triton+log2+fused_d+heavy_first+one_launch+half_diagonal
+             triton+log2+fused_d+heavy_first+one_launch+half_diagonal+descriptors
              --head-sizes 16 --lengths 32 --seconds 0.01)
   NANO_BATCH=1 NANO_BLOCK=32 NANO=(--device=cpu --compile=False --dtype=float32)
   STEP=(--device cpu --preset nano --dtype float32 --batch-size 1 --block-size 32 --no-compile

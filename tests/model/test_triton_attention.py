@@ -157,7 +157,9 @@ def test_a_kernel_with_a_leaky_mask_fails_the_equality_and_the_causality_checks(
     assert find_leaks(model)
 
 
-@pytest.mark.parametrize("variants", [*((name,) for name in ALL_VARIANTS), ALL_VARIANTS])
+@pytest.mark.parametrize(
+    "variants", [*((name,) for name in ALL_VARIANTS), ALL_VARIANTS], ids="+".join
+)
 def test_each_variant_alone_and_together_gives_the_formulas_outputs_and_gradients(variants):
     """Issue 61's variants (model/triton_attention.py's module doc): float32 within 1e-5 of the
     formula on a ragged multi-tile shape and a padded head size; bfloat16 within 3 times the
@@ -198,6 +200,24 @@ def test_each_variant_alone_and_together_gives_the_formulas_outputs_and_gradient
     ]
     for a, b in zip(*dropped, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_descriptors_keep_the_pointers_where_a_start_or_stride_is_off_16_bytes():
+    """The `descriptors` variant runs where TMA can address every (batch, head) (the equality
+    tests above run it); a view 4 bytes off, or rows of 12 bytes, keep the pointer path, with
+    the formula's outputs."""
+    torch.manual_seed(0)
+    chosen = kernel.VARIANTS["descriptors"]
+    aligned = torch.randn(1, 2, 20, 16)
+    off = torch.randn(aligned.numel() + 1)[1:].view(aligned.shape)  # its start 4 bytes on
+    narrow = torch.randn(1, 2, 20, 3)
+    assert kernel._constants(0.0, chosen, aligned, aligned)["DESCRIPTORS"]
+    assert not kernel._constants(0.0, 0, aligned, aligned)["DESCRIPTORS"]  # not chosen
+    assert not kernel._constants(0.0, chosen, aligned, off)["DESCRIPTORS"]
+    assert not kernel._constants(0.0, chosen, narrow)["DESCRIPTORS"]
+    for q in (off, narrow):
+        got = triton_causal_attention(q, q, q, variants=("descriptors",))
+        torch.testing.assert_close(got, _manual(q, q, q), atol=1e-5, rtol=1e-5)
 
 
 def test_the_variants_pass_the_causality_audit_and_a_leak_in_them_fails_it(monkeypatch):
