@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import hmac
 import json
@@ -175,6 +176,95 @@ class CausalityRequest(Strict):
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
     """OpenAI's error shape, which its clients parse into their exceptions."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def cancel(jobs: list[Job]) -> None:
+    """Mark the jobs cancelled: the batcher drops each at its next step (a no-op once done)."""
+    for job in jobs:
+        job.cancelled = True
+
+
+async def _hang_up(request: Request) -> None:
+    """Return when the client disconnects (the body is read by now)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclasses.dataclass
+class Reply:
+    """One request's completion as its jobs decode: their pieces arrive on `events` (put there
+    by the batcher's thread), and go out as server-sent events or as one answer."""
+
+    head: dict  # id, object, created, model
+    jobs: list[Job]  # req.n per prompt
+    events: asyncio.Queue  # pieces; None: the client hung up
+    n: int
+    chat: bool
+    echoed: list[str]  # completions' echo=true: each choice's prompt, sent first
+
+    async def choices(self) -> AsyncIterator[dict]:
+        """Every choice's pieces as they come, until all are finished or the client hangs up (a
+        None from the watcher; a stream's task is cancelled by StreamingResponse)."""
+        for index, text in enumerate(self.echoed):
+            if text:
+                yield dict(text=text, index=index, logprobs=None, finish_reason=None)
+        left = len(self.jobs)
+        while left and (choice := await self.events.get()) is not None:
+            if choice["finish_reason"] == "error":
+                raise ApiError(500, "decoding failed (the server's log has the traceback)")
+            left -= choice["finish_reason"] is not None
+            yield choice
+
+    def usage(self) -> dict:
+        """The prompts' tokens once each, and every choice's generated tokens."""
+        prompt = sum(len(job.ids) for job in self.jobs[:: self.n])
+        completion = sum(len(job.tokens) for job in self.jobs)
+        return dict(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def stream(self, with_usage: bool) -> AsyncIterator[str]:
+        """The pieces as server-sent events (stream=true), the usage last if asked for."""
+        chunk = {**self.head, "object": "chat.completion.chunk"} if self.chat else self.head
+        try:
+            if self.chat:  # each choice opens with the role, as OpenAI's chunks do
+                for i in range(len(self.jobs)):
+                    opening = dict(index=i, delta=dict(role="assistant", content=""))
+                    yield f"data: {json.dumps({**chunk, 'choices': [opening]})}\n\n"
+            async for choice in self.choices():
+                if self.chat:
+                    choice["delta"] = {"content": choice.pop("text")}
+                yield f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n"
+            if with_usage:
+                yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': self.usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
+            yield f"data: {json.dumps(e.body)}\n\n"
+        finally:  # finished, or cancelled: the jobs leave the batch at its next step
+            cancel(self.jobs)
+
+    async def whole(self, request: Request) -> dict:
+        """The pieces merged into one answer; a client that hangs up first cancels its jobs."""
+        watcher = asyncio.ensure_future(_hang_up(request))
+        watcher.add_done_callback(lambda _: self.events.put_nowait(None))  # ends the wait
+        merged = [
+            dict(text="", index=i, logprobs=None, finish_reason=None) for i in range(len(self.jobs))
+        ]
+        try:
+            async for piece in self.choices():
+                choice = merged[piece["index"]]
+                choice["text"] += piece["text"]
+                choice["finish_reason"] = piece["finish_reason"]
+                for key, value in (piece["logprobs"] or {}).items():
+                    choice["logprobs"] = choice["logprobs"] or {}
+                    choice["logprobs"].setdefault(key, []).extend(value)
+        finally:
+            watcher.cancel()
+            cancel(self.jobs)
+        if self.chat:
+            for choice in merged:
+                choice["message"] = dict(role="assistant", content=choice.pop("text"))
+        return {**self.head, "choices": merged, "usage": self.usage()}
 
 
 class Server:
@@ -415,69 +505,11 @@ class Server:
         kind = "chat.completion" if chat else "text_completion"
         head = dict(id=completion_id, object=kind, created=int(time.time()), model=self.name)
         echoed = [prompts[i // req.n] for i in range(len(jobs))] if not chat and req.echo else []
-
-        async def choices() -> AsyncIterator[dict]:
-            """Every choice's pieces as they come, until all are finished or the client hangs
-            up (a None from the watcher; a stream's task is cancelled by StreamingResponse)."""
-            for index, text in enumerate(echoed):
-                if text:
-                    yield dict(text=text, index=index, logprobs=None, finish_reason=None)
-            left = len(jobs)
-            while left and (choice := await events.get()) is not None:
-                if choice["finish_reason"] == "error":
-                    raise ApiError(500, "decoding failed (the server's log has the traceback)")
-                left -= choice["finish_reason"] is not None
-                yield choice
-
-        def usage() -> dict:
-            """The prompts' tokens once each, and every choice's generated tokens."""
-            prompt = sum(len(job.ids) for job in jobs[:: req.n])
-            completion = sum(len(job.tokens) for job in jobs)
-            return dict(
-                prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-            )
-
-        async def stream() -> AsyncIterator[str]:
-            chunk = {**head, "object": "chat.completion.chunk"} if chat else head
-            try:
-                if chat:  # each choice opens with the role, as OpenAI's chunks do
-                    for i in range(len(jobs)):
-                        opening = dict(index=i, delta=dict(role="assistant", content=""))
-                        yield f"data: {json.dumps({**chunk, 'choices': [opening]})}\n\n"
-                async for choice in choices():
-                    if chat:
-                        choice["delta"] = {"content": choice.pop("text")}
-                    yield f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n"
-                if req.stream_options and req.stream_options.include_usage:
-                    yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage()})}\n\n"
-                yield "data: [DONE]\n\n"
-            except ApiError as e:  # the status is sent: the error is an event, as OpenAI's
-                yield f"data: {json.dumps(e.body)}\n\n"
-            finally:  # finished, or cancelled: the jobs leave the batch at its next step
-                cancel(jobs)
-
+        reply = Reply(head, jobs, events, req.n, chat, echoed)
         if req.stream:
-            return StreamingResponse(stream(), media_type="text/event-stream")
-        watcher = asyncio.ensure_future(_hang_up(request))
-        watcher.add_done_callback(lambda _: events.put_nowait(None))  # ends the wait below
-        merged = [
-            dict(text="", index=i, logprobs=None, finish_reason=None) for i in range(len(jobs))
-        ]
-        try:
-            async for piece in choices():
-                choice = merged[piece["index"]]
-                choice["text"] += piece["text"]
-                choice["finish_reason"] = piece["finish_reason"]
-                for key, value in (piece["logprobs"] or {}).items():
-                    choice["logprobs"] = choice["logprobs"] or {}
-                    choice["logprobs"].setdefault(key, []).extend(value)
-        finally:
-            watcher.cancel()
-            cancel(jobs)
-        if chat:
-            for choice in merged:
-                choice["message"] = dict(role="assistant", content=choice.pop("text"))
-        return {**head, "choices": merged, "usage": usage()}
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(reply.stream(usage), media_type="text/event-stream")
+        return await reply.whole(request)
 
     async def view(self, request: Request, kind: type[Strict], show: Callable) -> dict:
         """A page view `show(body)` on the views' thread, bounded as completions are: past
@@ -597,12 +629,6 @@ class Server:
         return {"model": self.name, **shape, "chat": chat, "limits": self.limits, **counts}
 
 
-async def _hang_up(request: Request) -> None:
-    """Return when the client disconnects (the body is read by now)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 class HeaderDeadline(H11Protocol):
     """uvicorn's HTTP/1.1, where a request's headers must be complete `timeout_keep_alive`
     seconds after the connection opens or the last answer ends: uvicorn's own keep-alive timer
@@ -658,12 +684,6 @@ class HeaderDeadline(H11Protocol):
         super().handle_events()
         if self.cycle is not cycle:  # a request's headers are in
             self.deadline.cancel()  # (on a closed connection, uvicorn's handler does nothing)
-
-
-def cancel(jobs: list[Job]) -> None:
-    """Mark the jobs cancelled: the batcher drops each at its next step (a no-op once done)."""
-    for job in jobs:
-        job.cancelled = True
 
 
 def create_app(server: Server) -> FastAPI:

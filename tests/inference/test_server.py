@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import hypothesis
@@ -25,7 +26,7 @@ from data.chat import chat_tokenizer
 from data.tokenizer import get_tokenizer
 from inference.cli import run
 from inference.generate import next_token
-from inference.server import ApiError, CompletionRequest, Server
+from inference.server import ApiError, CompletionRequest, Reply, Server
 from model import GPT, GPTConfig
 from tests.inference.conftest import JSON, SERVE_PY, request, wait_until_idle
 
@@ -147,6 +148,23 @@ def test_a_client_that_hangs_up_frees_its_place(server, stream):
     connection.close()
     wait_until_idle(server)
     assert complete(server, prompt="Hi", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_whole_reply_whose_client_hangs_up_cancels_its_jobs():
+    """The non-streamed answer: the client's hang-up ends the wait for pieces and cancels every
+    job, so the batcher drops them at its next step, not after their max_tokens (the test
+    above cannot tell: a job that runs out frees its place too)."""
+
+    class HungUp:
+        async def receive(self) -> dict:
+            return {"type": "http.disconnect"}
+
+    jobs = [SimpleNamespace(cancelled=False, ids=[1, 2], tokens=[]) for _ in range(2)]
+    answer = asyncio.run(
+        Reply({"id": "cmpl-1"}, jobs, asyncio.Queue(), 2, False, []).whole(HungUp())
+    )
+    assert all(job.cancelled for job in jobs)
+    assert [c["finish_reason"] for c in answer["choices"]] == [None, None]
 
 
 TOO_LONG = "Hello " * 40  # 41 tokens, more than the model's 32-token window
