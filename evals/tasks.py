@@ -184,7 +184,7 @@ def score_choices(model: GPT, item: Item, precision: Precision) -> tuple[list[fl
         first = model(torch.tensor(prefix, device=device), cache=cache, last_only=True)[0]
         first = first.expand(n, -1, -1)  # (n, 1, vocab): predicts each input's position p
         if shared:  # every choice continues from its own copy of the prefix's keys and values
-            cache.k, cache.v = cache.k.repeat(1, n, 1, 1, 1), cache.v.repeat(1, n, 1, 1, 1)
+            cache.k, cache.v = ([t.repeat(n, 1, 1, 1) for t in kv] for kv in (cache.k, cache.v))
         rest = torch.tensor([x[p:] + [0] * (longest - len(x)) for x in inputs], device=device)
         logits = torch.cat([first, model(rest, cache=cache)[0]], dim=1)
     logprobs = F.log_softmax(logits.float(), dim=-1)  # (n, longest - p + 1, vocab): targets from p

@@ -287,6 +287,19 @@ def cpu_name() -> str:
 # layout, the model's code unchanged.
 
 
+@torch.library.custom_op("causalgpt::block_products", mutates_args=())
+def block_products(slices: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """SplitLinear's sum of its blocks' products, (n, out), as one operation a compiled step
+    calls as it is (inductor turns a bmm of one row into its own C++ loops: 0.55x the tokens/s,
+    docs/performance.md, Sampling)."""
+    return torch.bmm(slices, blocks).sum(0)
+
+
+@block_products.register_fake
+def _(slices: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return slices.new_empty(slices.size(1), blocks.size(2))
+
+
 class SplitLinear(nn.Module):
     """nn.Linear's y = x W^T + b, with W^T (in, out) copied into `parts` blocks of consecutive
     rows: blocks (parts, in / parts, out), the last block padded with zero rows. Each block
@@ -311,7 +324,39 @@ class SplitLinear(nn.Module):
         lead = x.shape[:-1]
         x = F.pad(x, (0, parts * height - self.in_features))  # zero entries for the zero rows
         slices = x.reshape(-1, parts, height).transpose(0, 1)  # (parts, n, height)
-        y = torch.bmm(slices, self.blocks).sum(0).view(*lead, out)  # (..., out)
+        if torch.compiler.is_compiling():  # inductor's own loops would read W at half the speed
+            y = block_products(slices, self.blocks).view(*lead, out)
+        else:
+            y = torch.bmm(slices, self.blocks).sum(0).view(*lead, out)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear's y = x W^T + b with W in 8 bits: each row of W (an output's weights) as
+    integers in [-127, 127] times the row's scale, max |row| / 127, rounded to nearest (llama.cpp's
+    q8_0 has a scale per 32 weights instead). A quarter of float32's bytes a token. torch's CPU
+    kernel for it, `torch._weight_int8pack_mm`, takes x and the scales in bfloat16 and returns
+    bfloat16 (in float32 it runs ~10x slower), and wants the rows a multiple of 16 long: x and W
+    are padded with zeros to that. y comes back in x's dtype. Inference only, like SplitLinear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        self.in_features = weight.size(1)
+        weight = F.pad(weight, (0, -self.in_features % 16))  # (out, in rounded up to 16)
+        scales = (weight.abs().amax(dim=1).clamp(min=1e-30) / 127).bfloat16()  # (out,)
+        ints = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("ints", ints, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)  # (out,) or None, as it was
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out)."""
+        lead = x.shape[:-1]
+        rows = F.pad(x, (0, self.ints.size(1) - self.in_features)).reshape(-1, self.ints.size(1))
+        y = torch._weight_int8pack_mm(rows.bfloat16(), self.ints, self.scales)  # (n, out)
+        y = y.view(*lead, -1).type_as(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -330,18 +375,18 @@ def decodes_from_a_copy(model: nn.Module) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and not is_sharded(model)
 
 
-def decoding_copy(model: nn.Module, parts: int | None = None) -> nn.Module:
+def decoding_copy(model: nn.Module, parts: int | None = None, int8: bool = False) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are SplitLinear (`parts` blocks each; default:
-    torch's CPU thread count). Everything else is shared with `model`, not copied: the extra
-    memory is one copy of the Linear weights, the head's included. Take a new copy after the
-    weights change."""
+    torch's CPU thread count), or with `int8` Int8Linear. Everything else is shared with `model`,
+    not copied: the extra memory is one copy of the Linear weights, the head's included. Take a
+    new copy after the weights change."""
     parts = parts or torch.get_num_threads()
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     decoder = copy.deepcopy(model, memo=shared)
     for module in list(decoder.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.Linear):
-                setattr(module, name, SplitLinear(child, parts))
+                setattr(module, name, Int8Linear(child) if int8 else SplitLinear(child, parts))
     return decoder
 
 

@@ -75,11 +75,12 @@ class RaggedKVCache(KVCache):
         """Store k, v (rows, nh, T, hs) at each row's own end; return the selected rows' keys and
         values up to the longest row's new end (rows, nh, L, hs)."""
         positions = self.positions(k.size(2))
-        index = torch.arange(self.k.size(1), device=k.device)[self.rows, None]  # (rows, 1)
-        self.k[layer, index, :, positions] = k.transpose(1, 2)  # (rows, T, nh, hs)
-        self.v[layer, index, :, positions] = v.transpose(1, 2)
+        index = torch.arange(k.size(0), device=k.device)[:, None]  # (rows, 1)
+        keys, values = self.k[layer][self.rows], self.v[layer][self.rows]  # views
+        keys[index, :, positions] = k.transpose(1, 2)  # (rows, T, nh, hs)
+        values[index, :, positions] = v.transpose(1, 2)
         end = int(positions.max()) + 1
-        return self.k[layer, self.rows, :, :end], self.v[layer, self.rows, :, :end]
+        return keys[:, :, :end], values[:, :, :end]
 
     def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
         """(rows, 1, T, L): row r's queries see its keys up to their own positions, no further."""
@@ -89,8 +90,8 @@ class RaggedKVCache(KVCache):
     def move(self, src: int, dst: int) -> None:
         """Row src's keys, values and length into row dst (a finished request's row reused)."""
         n = int(self.lengths[src])
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        for layer in (*self.k, *self.v):
+            layer[dst, :, :n] = layer[src, :, :n]
         self.lengths[dst] = n
 
 

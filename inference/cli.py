@@ -24,7 +24,13 @@ from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within, text_of
 from hardware.device import configure_backends, decoding_dtype, resolve_device
 from inference import attention_plot
-from inference.generate import SamplingParams, TextStream, decode_escapes, stream_tokens
+from inference.generate import (
+    SamplingParams,
+    TextStream,
+    decode_escapes,
+    decoding_plan,
+    stream_tokens,
+)
 from model import GPT
 
 SEPARATOR = "---------------"
@@ -103,6 +109,18 @@ def read_messages(value: Any) -> list[dict[str, str]] | None:
     return [{"role": str(m["role"]), "content": text_of(m["content"])} for m in value]
 
 
+def decoding_settings(
+    cfg: Mapping[str, Any], model: GPT, generator: torch.Generator, err: TextIO
+) -> dict[str, Any]:
+    """stream_tokens' params, generator, compiled and int8 for `cfg`, with the line that says
+    how the tokens are decoded, and why, printed first (where there are any)."""
+    compiled, line = decoding_plan(cfg.get("compile", "auto"), model, cfg["max_new_tokens"])
+    int8 = cfg.get("quantize") == "int8"
+    if cfg["max_new_tokens"]:
+        print(f"{line}; weights in int8" if int8 else line, file=err)
+    return {"params": cfg["params"], "generator": generator, "compiled": compiled, "int8": int8}
+
+
 def reply(
     ckpt: Checkpoint,
     model: GPT,
@@ -116,9 +134,10 @@ def reply(
     ids = prompt_within(messages, tokenizer, model.config.block_size)
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
     end, text = tokenizer.encode_single_token(IM_END), TextStream(tokenizer, settings["stop"])
+    decoding = {key: settings[key] for key in ("params", "generator", "compiled", "int8")}
     steps = stream_tokens(
-        model, idx, settings["max_new_tokens"], settings["params"], settings["generator"],
-        eot_token=end, vocab_size=tokenizer.n_vocab,
+        model, idx, settings["max_new_tokens"], eot_token=end, vocab_size=tokenizer.n_vocab,
+        **decoding,
     )  # fmt: skip
     for step in steps:
         token = step.item()
@@ -174,6 +193,7 @@ def chat_replies(
             f"{ckpt.path} is a base model without a chat template: fine-tune it for chat "
             f"first (python train.py experiment=chat_sft train.init_from={ckpt.path})"
         )
+    settings = {**settings, **decoding_settings(cfg, model, settings["generator"], err)}
     if not cfg.get("chat"):  # messages alone: their one reply
         return [reply(ckpt, model, messages, settings, out)]
     system = [{"role": "system", "content": cfg["system"]}] if cfg.get("system") else []
@@ -193,6 +213,9 @@ def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
+    compile, quantize = cfg.get("compile", "auto"), cfg.get("quantize")  # .get: as messages
+    check("compile", compile, compile in (True, False, "auto"), "true, false or auto")
+    check("quantize", quantize, quantize in (None, "int8"), "int8, or null: the weights as stored")
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or plots["attention_plot"] or plots["formula"]):
@@ -282,10 +305,10 @@ def continue_text(
     shown = out if live else io.StringIO()  # not live: the samples are printed at the end
     texts = [TextStream(tokenizer, cfg["stop"]) for _ in range(num_samples)]
     print(prompt, end="", file=shown, flush=True)
+    decoding = decoding_settings(cfg, model, generator, err)
     steps = stream_tokens(
-        model, idx, cfg["max_new_tokens"], cfg["params"], generator, eot_token=eot,
-        vocab_size=tokenizer.n_vocab,
-    )  # fmt: skip
+        model, idx, cfg["max_new_tokens"], eot_token=eot, vocab_size=tokenizer.n_vocab, **decoding
+    )
     for step in steps:
         for text, token in zip(texts, step.tolist(), strict=True):
             piece = text.finish() if token == eot else text.push(token)

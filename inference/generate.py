@@ -23,10 +23,12 @@ from typing import Any
 import tiktoken
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from base.errors import ConfigError, check, defaults_from, is_int, is_number, yaml_config
 from hardware.device import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
 from model import GPT
+from model.gpt import KVCache
 
 # ----- logit filters -----------------------------------------------------------------------------
 
@@ -170,6 +172,69 @@ def window_start(length: int, start: int | None, block_size: int) -> int:
     return start
 
 
+class StepKVCache:
+    """A KVCache as a compiled decoding step sees it: one new token a forward, at the position
+    `at` (a tensor, set before each step), over the keys and values of all max_len positions,
+    those after `at` masked as the future is (stale or zero, they get exactly no weight). Fixed
+    shapes and no Python number that changes from step to step, so that torch.compile captures
+    the step once, not once per position. It writes into `cache`'s tensors (where the eager
+    forwards of a prompt or a refill wrote), and `cache` keeps the count: `advance` is its job."""
+
+    def __init__(self, cache: KVCache):
+        self.k, self.v = cache.k, cache.v  # (B, nh, max_len, hs) per layer: the same tensors
+        self.at = torch.zeros(1, dtype=torch.long, device=cache.k[0].device)
+
+    def positions(self, T: int) -> torch.Tensor:
+        return self.at  # (1,): T is 1
+
+    def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
+        return causal_mask[self.at]  # (1, max_len): the causal mask's row at `at`
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer].index_copy_(2, self.at, k)  # (B, nh, 1, hs) into (B, nh, max_len, hs)
+        self.v[layer].index_copy_(2, self.at, v)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int) -> None:
+        pass  # the cache it writes into counts
+
+
+def _one_token(decoder: nn.Module, token: torch.Tensor, cache: StepKVCache) -> torch.Tensor:
+    return decoder(token, cache=cache, last_only=True)[0][:, -1]  # (B, V)
+
+
+# One graph for a model's every decoding step (and batch size): compiled at the first call,
+# from torch's on-disk caches when an earlier process compiled the same step.
+compiled_step = torch.compile(_one_token, fullgraph=True, dynamic=False)
+
+# compile=auto compiles for this many new tokens or more. On a 2-core AMD EPYC (Zen 4) a compiled
+# step saves ~1 ms a token (float32 and int8 weights) and compiling takes 1-4 s from torch's
+# on-disk cache, 10-25 s cold: a warm compile pays after ~1,000-4,000 tokens
+# (docs/performance.md, Compiled decoding).
+COMPILE_PAYS_AFTER = 4096
+
+
+def decoding_plan(compile: Any, model: GPT, max_new_tokens: int) -> tuple[bool, str]:
+    """(whether the one-token steps run through `compiled_step`, a line saying which and why),
+    for sample.py's `compile`: true, false, or auto (compile where it pays, above). Where the
+    step cannot compile, true is refused and auto decodes eagerly."""
+    why_not = None
+    if model.config.attention == "flash":  # its tiles take the queries to be the last keys
+        why_not = "attention=flash decodes eagerly (use attention=manual or sdpa to compile)"
+    elif is_sharded(model):
+        why_not = "a model FSDP shards decodes eagerly"
+    if why_not and compile is True:
+        raise ConfigError(f"compile=true: {why_not}")
+    if compile == "auto" and not why_not and max_new_tokens < COMPILE_PAYS_AFTER:
+        why_not = f"compile=auto: {max_new_tokens} new tokens, under the {COMPILE_PAYS_AFTER:,} "
+        why_not += "a compile pays for"
+    if why_not or compile is False:
+        return False, f"decoding: eager ({why_not or 'compile=false'})"
+    return True, "decoding: compiled (the first token waits for torch.compile: 1-25 s)"
+
+
 class TokenContext:
     """The sequence so far and the logits of its next token, from the window defined at the top
     of this module: `model(seq[:, start:])[0][:, -1]`, with `start` moved to the last
@@ -183,7 +248,13 @@ class TokenContext:
     """
 
     def __init__(
-        self, model: GPT, idx: torch.Tensor, use_cache: bool = True, vocab_size: int | None = None
+        self,
+        model: GPT,
+        idx: torch.Tensor,
+        use_cache: bool = True,
+        vocab_size: int | None = None,
+        compiled: bool = False,
+        int8: bool = False,
     ):
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
@@ -199,8 +270,12 @@ class TokenContext:
         if vocab_size is not None and vocab_size < model.config.vocab_size:
             self.padding = torch.arange(model.config.vocab_size, device=idx.device) >= vocab_size
         # On a CPU, a token's matrix-vector products stream the weights faster from the layout
-        # of hardware/device.py, in a copy of the model's Linear layers
-        self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
+        # of hardware/device.py, in a copy of the model's Linear layers; `int8`: the copy's
+        # weights in 8 bits
+        copied = int8 or decodes_from_a_copy(model)
+        self.decoder = decoding_copy(model, int8=int8) if copied else model
+        # `compiled`: each one-token step over the cache through `compiled_step`
+        self.step = StepKVCache(self.cache) if compiled and self.cache is not None else None
         # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
         # FSDP's hooks need version counters, so its sharded models decode under no_grad
         self.grad_free = torch.no_grad if is_sharded(model) else torch.inference_mode
@@ -215,7 +290,13 @@ class TokenContext:
         with self.grad_free():
             cached = 0 if self.cache is None else self.cache.length
             new = self.seq[:, self.start + cached :]  # with a cache: the window's start, then 1
-            logits = self.decoder(new, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)
+            if self.step is not None and new.size(1) == 1:
+                self.step.at.fill_(cached)
+                token = new.clone(memory_format=torch.contiguous_format)  # strides (1, 1) always
+                logits = compiled_step(self.decoder, token, self.step)  # (B, V)
+                self.cache.advance(1)
+            else:
+                logits = self.decoder(new, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)
             if self.padding is not None:
                 # A vocabulary padded for aligned matmuls (50304 rows for GPT-2's 50257 tokens):
                 # the padding decodes to nothing, so it can never be drawn, greedy or sampled.
@@ -236,6 +317,8 @@ def stream_tokens(
     use_cache: bool = True,
     eot_token: int | None = None,
     vocab_size: int | None = None,
+    compiled: bool = False,
+    int8: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), one step at a time, so callers can print text
     as it comes or stop early (stop strings) by leaving the loop.
@@ -246,11 +329,15 @@ def stream_tokens(
     the tokenizer's, when the model's vocabulary is padded past it (never drawn). The tokens are
     inference tensors: clone one to change it in place. Each step runs on the CPU thread count
     `ThreadChoice` picks (hardware/device.py), and gives torch its count back before yielding.
+    `compiled`: the one-token steps through `compiled_step` (the same tokens; see
+    `decoding_plan`); `int8`: from the model's Linear weights in 8 bits (hardware/device.py's
+    Int8Linear: not the same tokens, close ones).
     """
     params = params or SamplingParams()
-    context = TokenContext(model, idx, use_cache, vocab_size)
+    context = TokenContext(model, idx, use_cache, vocab_size, compiled, int8)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-    threads = ThreadChoice(trials=context.decoder is not model)
+    # no trials for a compiled step: a graph holds its thread count (another is a recompile)
+    threads = ThreadChoice(trials=context.decoder is not model and context.step is None)
     for step in range(max_new_tokens):
         with context.grad_free(), threads.step(step):
             token = next_token(context.logits(), context.seq, params, generator)

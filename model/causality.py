@@ -196,7 +196,9 @@ def _run(model: Audited, idx: torch.Tensor, seed: int, **kwargs: Any) -> Outputs
         if out.shape[:2] == idx.shape:  # (B, T, ...): not OPT's fc1 on flattened rows
             outputs[watched[module]] = out
 
-    with register_module_forward_hook(record), torch.random.fork_rng(devices=[]):
+    # no hook where nothing is watched: a compiled function would recompile for each new one
+    hook = register_module_forward_hook(record) if watched else contextlib.nullcontext()
+    with hook, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         logits = _logits(model, idx, **kwargs)
     return {**outputs, "logits": logits}

@@ -211,7 +211,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys and values for every layer, shape (n_layer, B, nh, max_len, hs).
+    """Preallocated keys and values, a (B, nh, max_len, hs) tensor of each per layer.
 
     During one forward pass every layer appends its new keys/values at [length, length + T);
     the model then calls `advance(T)` once, so all layers agree on where the sequence ends.
@@ -227,24 +227,31 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ):
-        shape = (n_layer, batch_size, n_head, max_len, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch_size, n_head, max_len, head_size)
+        # A tensor per layer, not views of one: a compiled decoding step (inference/generate.py)
+        # writes each in place, where writing into a view made it copy the whole cache a step
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.length = 0
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) for `layer`; return all keys/values so far (B, nh, L, hs).
-        Past max_len the copy fails on its shapes (the model refuses that input first)."""
+        """Store k, v (B, nh, T, hs) for `layer`; return all keys/values so far (B, nh, L, hs)."""
         end = self.length + k.size(2)
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def positions(self, T: int) -> torch.Tensor:
-        """The positions of T new tokens, (T,): they follow the cached ones."""
-        return torch.arange(self.length, self.length + T, device=self.k.device)
+        """The positions of T new tokens, (T,): they follow the cached ones, within max_len."""
+        end, max_len = self.length + T, self.k[0].size(2)
+        if end > max_len:
+            raise ValueError(
+                f"input of {end} tokens is longer than the KV cache's {max_len} (block_size); "
+                "crop it to the last block_size tokens"
+            )
+        return torch.arange(self.length, end, device=self.k[0].device)
 
     def allowed(self, causal_mask: torch.Tensor, T: int) -> torch.Tensor:
         """Which keys (cached, then new) each of T new queries may see: the causal mask's rows
@@ -409,10 +416,10 @@ class GPT(nn.Module):
         total, for a caller that weighs batches by their targets). Unlike nanoGPT's, no logits
         with a loss: a (B, T, vocab) tensor the caller holds stays alive through backward. With
         a cache, idx holds only the new tokens and positions continue from it."""
-        T, start = idx.size(1), 0 if cache is None else cache.length
-        if start + T > self.config.block_size:
+        T = idx.size(1)
+        if self.config.block_size < T:
             raise ValueError(
-                f"input of {start + T} tokens is longer than block_size={self.config.block_size}; "
+                f"input of {T} tokens is longer than block_size={self.config.block_size}; "
                 "crop it to the last block_size tokens"
             )
         pos = torch.arange(T, device=idx.device) if cache is None else cache.positions(T)

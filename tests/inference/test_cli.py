@@ -331,7 +331,9 @@ def test_the_default_checkpoint_is_named_on_stderr_and_sweeps_are_not_considered
     monkeypatch.chdir(work)
     run(sample_cfg("max_new_tokens=1"))
     expected = work / "outputs" / "2025-01-01" / "12-00-00" / "checkpoints" / "best"
-    assert capsys.readouterr().err == (f"checkpoint: {expected} (the newest run under ./outputs)\n")
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"checkpoint: {expected} (the newest run under ./outputs)"
+    )
 
 
 @pytest.mark.parametrize("prompt, warned", [("", True), ("Hello", True), ("'a b c'", False)])

@@ -1,0 +1,151 @@
+"""Compiled decoding and 8-bit weights. A compiled one-token step draws the eager tokens (greedy
+and seeded sampling, across window restarts) from one graph whatever the position; it is causal
+over its fixed-size cache, and a one-key-late mask fails the KV-cache check through it. Int8Linear
+computes its 8-bit product for any shape (hypothesis), and 8-bit weights keep a trained model's
+loss within 1% of float32's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch._dynamo.utils import counters
+
+from checkpoints.store import load_checkpoint
+from hardware.device import Int8Linear, decoding_copy
+from inference.generate import (
+    SamplingParams,
+    StepKVCache,
+    compiled_step,
+    decoding_plan,
+    generate,
+)
+from model import GPT
+from model.causality import kv_cache_check
+from tests.conftest import GPT2, PLAYS, tiny_config
+
+BLOCK = 16  # tiny_config's block_size
+ARCHS = {
+    "gpt2, manual": {},
+    "llama, sdpa": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    """Each test compiles its own graphs: counted from zero, and never past dynamo's limit of 8
+    graphs a function."""
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def model_for(arch: str) -> GPT:
+    torch.manual_seed(0)
+    attention = "sdpa" if "sdpa" in arch else "manual"
+    return GPT(tiny_config(**ARCHS[arch], attention=attention)).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_compiled_decoding_draws_the_eager_tokens_from_one_graph(arch, temperature):
+    model = model_for(arch)
+    prompt = torch.tensor([[1, 2, 3], [7, 5, 3]])
+    params = SamplingParams(temperature=temperature, top_k=None)
+    runs = [
+        generate(model, prompt, 3 * BLOCK, params, torch.Generator().manual_seed(0), compiled=c)
+        for c in (False, True)
+    ]
+    assert runs[0].shape == (2, 3 + 3 * BLOCK)  # past two window restarts
+    assert torch.equal(runs[0], runs[1])
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for all 48 positions
+
+
+def compiled_decoding(model: GPT):
+    """The model's logits as compiled decoding computes them: several tokens eagerly, one token
+    over the cache through the compiled step (a function of ids for the causality checks)."""
+
+    def logits(idx: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is None or idx.size(1) > 1:
+            return model(idx, cache=cache)[0]
+        step = StepKVCache(cache)
+        step.at.fill_(cache.length)
+        out = compiled_step(model, idx.clone(memory_format=torch.contiguous_format), step)
+        cache.advance(1)
+        return out[:, None]  # (B, 1, V)
+
+    return logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_compiled_step_is_causal_and_a_one_key_late_mask_fails_its_check(arch):
+    model = model_for(arch)
+    idx = torch.randint(0, 101, (2, BLOCK), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        check = kv_cache_check(compiled_decoding(model), idx, model.new_kv_cache(2))
+        assert check.passed and check.largest < 1e-5
+        assert counters["stats"]["unique_graphs"] == 1  # the steps did run compiled
+        for block in model.transformer.h:  # each query also sees the key after it
+            block.attn.causal_mask = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril(1)
+        leaky = kv_cache_check(compiled_decoding(model), idx, model.new_kv_cache(2))
+    assert not leaky.passed and leaky.leak is not None
+
+
+def test_compile_auto_compiles_where_it_pays_and_true_is_refused_where_it_cannot():
+    model = model_for("gpt2, manual")
+    assert decoding_plan("auto", model, 100) == (
+        False,
+        "decoding: eager (compile=auto: 100 new tokens, under the 4,096 a compile pays for)",
+    )
+    assert decoding_plan("auto", model, 5000)[0] and decoding_plan(True, model, 1)[0]
+    assert not decoding_plan(False, model, 10**6)[0]
+    flash = GPT(tiny_config(attention="flash"))
+    assert not decoding_plan("auto", flash, 10**6)[0]
+    with pytest.raises(ValueError, match="compile=true: attention=flash decodes eagerly"):
+        decoding_plan(True, flash, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    n_in=st.integers(1, 70),
+    n_out=st.integers(1, 40),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_linear_computes_its_8_bit_product_for_any_shape(rows, n_in, n_out, bias, seed):
+    """Any input width: the kernel wants multiples of 16 (others read past the row: NaN, or a
+    crash), so Int8Linear pads. The values: x in bfloat16 times each row's integers times its
+    scale, within bfloat16's rounding of the result; and within 8-bit rounding of nn.Linear."""
+    torch.manual_seed(seed)
+    linear = nn.Linear(n_in, n_out, bias=bias)
+    x = torch.randn(rows, n_in)
+    int8 = Int8Linear(linear)
+    assert int8.ints.dtype == torch.int8 and int8.ints.abs().max() == 127  # each row's largest
+    weights = int8.ints[:, :n_in].float() * int8.scales.float()[:, None]  # (out, in)
+    exact = x.bfloat16().float() @ weights.T + (linear.bias.detach() if bias else 0)
+    y = int8(x)
+    assert y.shape == (rows, n_out) and y.dtype == torch.float32
+    scale = exact.abs().max() + 1e-6
+    assert (y - exact).abs().max() <= 1e-2 * scale  # bfloat16's result: 8 bits of mantissa
+    # nn.Linear's: each weight off by at most half its row's step, and x and y by bfloat16's
+    # rounding (2^-8 of each)
+    w = linear.weight.detach()
+    rounding = int8.scales.float()[:, None] / 2 + w.abs() * 2**-8  # (out, in)
+    bound = x.abs() @ rounding.T + exact.abs() * 2**-8 + 1e-6
+    assert ((y - linear(x).detach()).abs() <= bound).all()
+
+
+def test_int8_weights_keep_a_trained_models_loss_within_1_percent(trained_run):
+    """On the run's held-out play: the same bytes, so the loss's ratio is bits per byte's."""
+    model = load_checkpoint(trained_run / "checkpoints" / "last").model.eval()
+    T = model.config.block_size
+    ids = GPT2.encode_ordinary((PLAYS / "roman" / "julius-caesar.md").read_text()[:8_000])
+    seq = torch.tensor(ids[: len(ids) // (T + 1) * (T + 1)]).view(-1, T + 1)  # (n, T + 1)
+    int8 = decoding_copy(model, int8=True)
+    assert all(not isinstance(m, nn.Linear) for m in int8.modules())  # every product in 8 bits
+    with torch.no_grad():
+        loss = model(seq[:, :-1], targets=seq[:, 1:])[1]
+        loss8 = int8(seq[:, :-1], targets=seq[:, 1:])[1]
+    assert loss8 != loss and abs(loss8 / loss - 1) < 0.01
