@@ -1,0 +1,148 @@
+"""Benchmark: batch-1 decoding beside llama.cpp on the same weights; print a markdown table.
+
+For each shape (nanoGPT's 30M: 6 x 384, block 256; GPT-2 124M's: 12 x 768, block 1024; both
+with a 50,304-token vocabulary, random weights), a checkpoint is saved and exported with
+`python export.py format=gguf` (float32), then quantized to q8_0 by llama.cpp's own
+llama-quantize. Rows, each timed --rounds times, interleaved, best of the rounds:
+
+- llama.cpp: `llama-bench -p 0 -n N -t <threads>` on the float32 file and on the q8_0 one (its
+  tokens/s for N generated tokens at batch 1);
+- ours: `stream_tokens` greedy from a 1-token prompt, N tokens, as sample.py decodes: eager
+  (compile=false) and compiled (compile=true, compiled once before the rounds: its compile time
+  is printed apart), with the weights as stored (float32) and in 8 bits (quantize=int8).
+
+"ratio" is ours over llama.cpp's at the same precision (q8_0 for int8); "of roofline" the
+tokens/s over this machine's copy bandwidth divided by the bytes a token reads (every weight
+once: q8_0 and our int8 ~1.06 and ~1.0 bytes a weight, plus scales). Run on a quiet machine:
+llama.cpp's threads spin, and collapse beside any busy core.
+
+    python benchmarks/bench_llamacpp.py --llama-bin <llama.cpp build>/bin [--shapes 30m 124m]
+        [--tokens 200] [--rounds 3] [--threads 2]
+
+Build llama.cpp as scripts/llamacpp_check.sh's header says, with the targets llama-bench and
+llama-quantize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import torch
+from bench_sample import bandwidth
+from harness import head, row
+from torch._dynamo.utils import counters
+
+from checkpoints.store import save_checkpoint
+from hardware.device import Int8Linear, decoding_copy
+from inference.generate import SamplingParams, stream_tokens
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "30m": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
+    "124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+}
+RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
+
+
+def gguf_files(model: GPT, work: Path, llama_bin: Path) -> dict[str, Path]:
+    """The model as float32 GGUF (export.py) and q8_0 (llama-quantize)."""
+    ckpt = save_checkpoint(work / "ckpt", model, RUN, {"step": 0, "tokenizer": "gpt2"})
+    f32, q8 = work / "f32.gguf", work / "q8_0.gguf"
+    export = [sys.executable, str(ROOT / "export.py"), f"checkpoint={ckpt}", "format=gguf"]
+    subprocess.run([*export, f"out={f32}"], check=True, cwd=ROOT)
+    quantize = [str(llama_bin / "llama-quantize"), str(f32), str(q8), "q8_0"]
+    subprocess.run(quantize, check=True, capture_output=True)
+    return {"float32": f32, "int8": q8}
+
+
+def llama_bench(llama_bin: Path, gguf: Path, tokens: int, threads: int) -> float:
+    """llama.cpp's generation tokens/s (llama-bench, one repetition)."""
+    command = [str(llama_bin / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens)]
+    command += ["-t", str(threads), "-r", "1", "-o", "json"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]["avg_ts"]
+
+
+def ours(model: GPT, tokens: int, compiled: bool, int8: bool) -> float:
+    """Our tokens/s: `tokens` greedy tokens from a 1-token prompt (the first, the prompt's,
+    not timed)."""
+    steps = stream_tokens(
+        model, torch.zeros(1, 1, dtype=torch.long), tokens + 1, SamplingParams(temperature=0),
+        compiled=compiled, int8=int8,
+    )  # fmt: skip
+    next(steps)
+    start = time.perf_counter()
+    for _ in steps:
+        pass
+    return tokens / (time.perf_counter() - start)
+
+
+def bytes_per_token(model: GPT, int8: bool) -> int:
+    """Weight bytes a token reads: every matrix once, its scales with it (positions: one row)."""
+    if not int8:
+        return model.num_params(exclude_positions=True) * 4
+    copy = decoding_copy(model, int8=True)
+    linears = [m for m in copy.modules() if isinstance(m, Int8Linear)]
+    norms = sum(p.numel() * 4 for n, p in copy.named_parameters() if "ln" in n or "bias" in n)
+    return sum(m.ints.numel() + m.scales.numel() * 2 for m in linears) + norms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-bin", type=Path, required=True)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = harness.parse_args(parser)  # torch's threads: --threads
+    print(f"{harness.machine()}\nbatch 1, greedy, {args.tokens} tokens from a 1-token prompt, "
+          f"{args.threads} threads, best of {args.rounds} interleaved rounds\n")  # fmt: skip
+    head("shape | precision | decoder | tok/s | vs llama.cpp | of roofline | compile s", "lllrrrr")
+    for shape in args.shapes:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SHAPES[shape], vocab_size=50304, dropout=0.0)).eval()
+        with tempfile.TemporaryDirectory() as work:
+            files = gguf_files(model, Path(work), args.llama_bin)
+            compile_s = {}
+            for int8 in (False, True):  # compiled once, before the rounds (torch's caches warm)
+                start = time.perf_counter()
+                ours(model, 2, compiled=True, int8=int8)
+                compile_s[int8] = time.perf_counter() - start
+            best: dict[tuple[str, str], float] = {}
+            copy_bw = 0.0
+            for _ in range(args.rounds):
+                copy_bw = max(copy_bw, bandwidth())
+                for precision, gguf in files.items():
+                    int8 = precision == "int8"
+                    rates = {
+                        "llama.cpp": llama_bench(args.llama_bin, gguf, args.tokens, args.threads)
+                    }
+                    for compiled in (False, True):
+                        name = "ours, compiled" if compiled else "ours, eager"
+                        rates[name] = ours(model, args.tokens, compiled, int8)
+                    for name, rate in rates.items():
+                        best[precision, name] = max(best.get((precision, name), 0.0), rate)
+            graphs = counters["stats"]["unique_graphs"]  # 2, or a step recompiled unseen
+            print(f"{shape}: {graphs} graphs compiled", file=sys.stderr)
+            for (precision, name), rate in best.items():
+                int8 = precision == "int8"
+                roofline = copy_bw / bytes_per_token(model, int8)
+                ratio = rate / best[precision, "llama.cpp"]
+                label = "q8_0" if int8 and name == "llama.cpp" else precision
+                compiled = f"{compile_s[int8]:.1f}" if name == "ours, compiled" else ""
+                row([shape, label, name, f"{rate:.1f}", f"{ratio:.2f}x",
+                     f"{rate / roofline:.0%}", compiled])  # fmt: skip
+        torch._dynamo.reset()  # the next shape compiles its own graphs
+        counters.clear()
+
+
+if __name__ == "__main__":
+    main()
