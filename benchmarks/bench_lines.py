@@ -122,6 +122,12 @@ FEATURES = {
         ("hardware/device.py", ["ThreadChoice", "bf16_decoding_speedup", "cpu_decoding_dtype"]),
         ("hardware/device.py", ["decoding_dtype"]),
     ],
+    "compiled decoding and 8-bit weights (sample.py compile=, quantize=)": [
+        ("inference/generate.py", ["StepKVCache", "_one_token", "compiled_step"]),
+        ("inference/generate.py", ["COMPILE_PAYS_AFTER", "decoding_plan"]),
+        ("hardware/device.py", ["block_products", "_block_products_shape", "Int8Linear"]),
+        ("inference/cli.py", ["decoding_settings"]),
+    ],
     "Muon optimizer": [
         ("trainer/optim.py", ["zeropower_via_newtonschulz5", "Muon", "is_block_matrix"]),
         ("trainer/optim.py", ["muon_group"]),

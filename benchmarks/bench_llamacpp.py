@@ -57,7 +57,7 @@ def gguf_files(model: GPT, work: Path, llama_bin: Path) -> dict[str, Path]:
     ckpt = save_checkpoint(work / "ckpt", model, RUN, {"step": 0, "tokenizer": "gpt2"})
     f32, q8 = work / "f32.gguf", work / "q8_0.gguf"
     export = [sys.executable, str(ROOT / "export.py"), f"checkpoint={ckpt}", "format=gguf"]
-    subprocess.run([*export, f"out={f32}"], check=True, cwd=ROOT)
+    subprocess.run([*export, f"out={f32}"], check=True, cwd=ROOT, capture_output=True)
     quantize = [str(llama_bin / "llama-quantize"), str(f32), str(q8), "q8_0"]
     subprocess.run(quantize, check=True, capture_output=True)
     return {"float32": f32, "int8": q8}

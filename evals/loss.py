@@ -30,7 +30,13 @@ from checkpoints.store import (
 )
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
-from hardware.device import Precision, configure_backends, resolve_device, resolve_precision
+from hardware.device import (
+    Precision,
+    configure_backends,
+    decoding_copy,
+    resolve_device,
+    resolve_precision,
+)
 from hardware.distributed import all_reduce_sum, in_lockstep
 from model import GPT, eval_mode
 from model.gpt import unavailable_attention
@@ -195,6 +201,8 @@ def load_evaluated(
 ) -> tuple[Checkpoint, Precision]:
     """The model `python evaluate.py` scores (checkpoint=, null: the newest run's) on its
     device, and the precision: a triton model without its GPU through sdpa, the same function."""
+    quantize = cfg.get("quantize")
+    check("quantize", quantize, quantize in (None, "int8"), "int8, or null: the weights as stored")
     device = resolve_device(cfg["device"])
     configure_backends(device)
     precision = resolve_precision(device, cfg["dtype"])
@@ -205,6 +213,9 @@ def load_evaluated(
         model = GPT(dataclasses.replace(ckpt.model.config, attention="sdpa")).to(device)
         model.load_state_dict(ckpt.model.state_dict())  # the weights loaded and verified once
         ckpt.model = model
+    if cfg.get("quantize") == "int8":  # .get: callers' dicts from before the key
+        ckpt.model = decoding_copy(ckpt.model, int8=True)
+        say("quantize=int8: every Linear's weights in 8 bits, a scale per row")
     return ckpt, precision
 
 

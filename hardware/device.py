@@ -296,7 +296,7 @@ def block_products(slices: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 @block_products.register_fake
-def _(slices: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _block_products_shape(slices: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return slices.new_empty(slices.size(1), blocks.size(2))
 
 

@@ -2,7 +2,7 @@
 and seeded sampling, across window restarts) from one graph whatever the position; it is causal
 over its fixed-size cache, and a one-key-late mask fails the KV-cache check through it. Int8Linear
 computes its 8-bit product for any shape (hypothesis), and 8-bit weights keep a trained model's
-loss within 1% of float32's."""
+bits per byte within 1% of float32's (evaluate.py quantize=int8)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.utils import counters
 
-from checkpoints.store import load_checkpoint
-from hardware.device import Int8Linear, decoding_copy
+from evals.loss import evaluate_checkpoint
+from hardware.device import Int8Linear
 from inference.generate import (
     SamplingParams,
     StepKVCache,
@@ -24,7 +24,7 @@ from inference.generate import (
 )
 from model import GPT
 from model.causality import kv_cache_check
-from tests.conftest import GPT2, PLAYS, tiny_config
+from tests.conftest import PLAYS, tiny_config
 
 BLOCK = 16  # tiny_config's block_size
 ARCHS = {
@@ -137,15 +137,17 @@ def test_int8_linear_computes_its_8_bit_product_for_any_shape(rows, n_in, n_out,
     assert ((y - linear(x).detach()).abs() <= bound).all()
 
 
-def test_int8_weights_keep_a_trained_models_loss_within_1_percent(trained_run):
-    """On the run's held-out play: the same bytes, so the loss's ratio is bits per byte's."""
-    model = load_checkpoint(trained_run / "checkpoints" / "last").model.eval()
-    T = model.config.block_size
-    ids = GPT2.encode_ordinary((PLAYS / "roman" / "julius-caesar.md").read_text()[:8_000])
-    seq = torch.tensor(ids[: len(ids) // (T + 1) * (T + 1)]).view(-1, T + 1)  # (n, T + 1)
-    int8 = decoding_copy(model, int8=True)
-    assert all(not isinstance(m, nn.Linear) for m in int8.modules())  # every product in 8 bits
-    with torch.no_grad():
-        loss = model(seq[:, :-1], targets=seq[:, 1:])[1]
-        loss8 = int8(seq[:, :-1], targets=seq[:, 1:])[1]
-    assert loss8 != loss and abs(loss8 / loss - 1) < 0.01
+def test_int8_weights_keep_a_trained_models_bits_per_byte_within_1_percent(trained_run, tmp_path):
+    """evaluate.py quantize=int8 on the run's held-out play: 8 bits for every Linear (not the
+    model's own), within 1% of float32's bits per byte."""
+    play = tmp_path / "play.txt"
+    play.write_text((PLAYS / "roman" / "julius-caesar.md").read_text()[:8_000])
+    cfg = dict(checkpoint=str(trained_run), text_file=str(play), task=None, tasks=[])
+    cfg |= dict(batch_size=4, stride=None, device="cpu", dtype="float32", dataset=None)
+    said = []
+    full = evaluate_checkpoint(cfg, say=lambda line: None)
+    int8 = evaluate_checkpoint(cfg | {"quantize": "int8"}, say=said.append)
+    assert said[0] == "quantize=int8: every Linear's weights in 8 bits, a scale per row"
+    assert int8["bpb"] != full["bpb"] and abs(int8["bpb"] / full["bpb"] - 1) < 0.01
+    with pytest.raises(ValueError, match="quantize"):
+        evaluate_checkpoint(cfg | {"quantize": "int4"}, say=said.append)
