@@ -2,18 +2,20 @@
 
 For each shape (nanoGPT's 30M: 6 x 384, block 256; GPT-2 124M's: 12 x 768, block 1024; both
 with a 50,304-token vocabulary, random weights), a checkpoint is saved and exported with
-`python export.py format=gguf` (float32), then quantized to q8_0 by llama.cpp's own
-llama-quantize. Rows, each timed --rounds times, interleaved, best of the rounds:
+`python export.py format=gguf` (float32), then quantized to q8_0 and q4_1 by llama.cpp's own
+llama-quantize (q4_1: a scale and a minimum per 32 weights, as our int4). Rows, each timed
+--rounds times, interleaved, best of the rounds:
 
-- llama.cpp: `llama-bench -p 0 -n N -t <threads>` on the float32 file and on the q8_0 one (its
+- llama.cpp: `llama-bench -p 0 -n N -t <threads>` on the float32, q8_0 and q4_1 files (its
   tokens/s for N generated tokens at batch 1);
 - ours: `stream_tokens` greedy from a 1-token prompt, N tokens, as sample.py decodes: eager
   (compile=false) and compiled (compile=true, compiled once before the rounds: its compile time
-  is printed apart), with the weights as stored (float32) and in 8 bits (quantize=int8).
+  is printed apart), with the weights as stored (float32) and in 8 and 4 bits (quantize=int8,
+  quantize=int4).
 
-"ratio" is ours over llama.cpp's at the same precision (q8_0 for int8); "of roofline" the
-tokens/s over this machine's copy bandwidth divided by the bytes a token reads (every weight
-once: q8_0 and our int8 ~1.06 and ~1.0 bytes a weight, plus scales). Run on a quiet machine:
+"vs llama.cpp" is ours over llama.cpp's at the same precision (q8_0 for int8, q4_1 for int4);
+"of roofline" the tokens/s over this machine's copy bandwidth divided by the bytes a token reads
+(every weight once, with its scales). Run on a quiet machine:
 llama.cpp's threads spin, and collapse beside any busy core.
 
     python benchmarks/bench_llamacpp.py --llama-bin <llama.cpp build>/bin [--shapes 30m 124m]
@@ -40,7 +42,7 @@ from harness import head, row
 from torch._dynamo.utils import counters
 
 from checkpoints.store import save_checkpoint
-from hardware.device import Int8Linear, decoding_copy
+from hardware.device import decoding_copy
 from inference.generate import SamplingParams, stream_tokens
 from model import GPT, GPTConfig
 
@@ -52,15 +54,21 @@ SHAPES = {
 RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
 
 
+LLAMA_TYPES = {"int8": "q8_0", "int4": "q4_1"}  # ours: llama.cpp's type of the same bits
+QUANTIZE = {"float32": None, "int8": "int8", "int4": "int4"}  # sample.py's quantize=
+
+
 def gguf_files(model: GPT, work: Path, llama_bin: Path) -> dict[str, Path]:
-    """The model as float32 GGUF (export.py) and q8_0 (llama-quantize)."""
+    """The model as float32 GGUF (export.py), then in each of LLAMA_TYPES (llama-quantize)."""
     ckpt = save_checkpoint(work / "ckpt", model, RUN, {"step": 0, "tokenizer": "gpt2"})
-    f32, q8 = work / "f32.gguf", work / "q8_0.gguf"
+    files = {"float32": work / "float32.gguf"}
     export = [sys.executable, str(ROOT / "export.py"), f"checkpoint={ckpt}", "format=gguf"]
-    subprocess.run([*export, f"out={f32}"], check=True, cwd=ROOT, capture_output=True)
-    quantize = [str(llama_bin / "llama-quantize"), str(f32), str(q8), "q8_0"]
-    subprocess.run(quantize, check=True, capture_output=True)
-    return {"float32": f32, "int8": q8}
+    subprocess.run([*export, f"out={files['float32']}"], check=True, cwd=ROOT, capture_output=True)
+    for precision, theirs in LLAMA_TYPES.items():
+        files[precision] = work / f"{theirs}.gguf"
+        quantize = [str(llama_bin / "llama-quantize"), str(files["float32"]), str(files[precision])]
+        subprocess.run([*quantize, theirs], check=True, capture_output=True)
+    return files
 
 
 def llama_bench(llama_bin: Path, gguf: Path, tokens: int, threads: int) -> float:
@@ -71,12 +79,12 @@ def llama_bench(llama_bin: Path, gguf: Path, tokens: int, threads: int) -> float
     return json.loads(out)[0]["avg_ts"]
 
 
-def ours(model: GPT, tokens: int, compiled: bool, int8: bool) -> float:
+def ours(model: GPT, tokens: int, compiled: bool, quantize: str | None) -> float:
     """Our tokens/s: `tokens` greedy tokens from a 1-token prompt (the first, the prompt's,
     not timed)."""
     steps = stream_tokens(
         model, torch.zeros(1, 1, dtype=torch.long), tokens + 1, SamplingParams(temperature=0),
-        compiled=compiled, int8=int8,
+        compiled=compiled, quantize=quantize,
     )  # fmt: skip
     next(steps)
     start = time.perf_counter()
@@ -85,14 +93,13 @@ def ours(model: GPT, tokens: int, compiled: bool, int8: bool) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def bytes_per_token(model: GPT, int8: bool) -> int:
+def bytes_per_token(model: GPT, quantize: str | None) -> int:
     """Weight bytes a token reads: every matrix once, its scales with it (positions: one row)."""
-    if not int8:
+    if quantize is None:
         return model.num_params(exclude_positions=True) * 4
-    copy = decoding_copy(model, int8=True)
-    linears = [m for m in copy.modules() if isinstance(m, Int8Linear)]
-    norms = sum(p.numel() * 4 for n, p in copy.named_parameters() if "ln" in n or "bias" in n)
-    return sum(m.ints.numel() + m.scales.numel() * 2 for m in linears) + norms
+    copy = decoding_copy(model, quantize=quantize)
+    low_bits = sum(b.numel() * b.element_size() for n, b in copy.named_buffers() if "mask" not in n)
+    return low_bits + sum(p.numel() * 4 for n, p in copy.named_parameters() if "ln" in n)
 
 
 def main() -> None:
@@ -112,32 +119,29 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             files = gguf_files(model, Path(work), args.llama_bin)
             compile_s = {}
-            for int8 in (False, True):  # compiled once, before the rounds (torch's caches warm)
+            for precision in files:  # compiled once, before the rounds (torch's caches warm)
                 start = time.perf_counter()
-                ours(model, 2, compiled=True, int8=int8)
-                compile_s[int8] = time.perf_counter() - start
+                ours(model, 2, compiled=True, quantize=QUANTIZE[precision])
+                compile_s[precision] = time.perf_counter() - start
             best: dict[tuple[str, str], float] = {}
             copy_bw = 0.0
             for _ in range(args.rounds):
                 copy_bw = max(copy_bw, bandwidth())
                 for precision, gguf in files.items():
-                    int8 = precision == "int8"
-                    rates = {
-                        "llama.cpp": llama_bench(args.llama_bin, gguf, args.tokens, args.threads)
-                    }
+                    theirs = llama_bench(args.llama_bin, gguf, args.tokens, args.threads)
+                    rates = {"llama.cpp": theirs}
                     for compiled in (False, True):
                         name = "ours, compiled" if compiled else "ours, eager"
-                        rates[name] = ours(model, args.tokens, compiled, int8)
+                        rates[name] = ours(model, args.tokens, compiled, QUANTIZE[precision])
                     for name, rate in rates.items():
                         best[precision, name] = max(best.get((precision, name), 0.0), rate)
-            graphs = counters["stats"]["unique_graphs"]  # 2, or a step recompiled unseen
+            graphs = counters["stats"]["unique_graphs"]  # 3, or a step recompiled unseen
             print(f"{shape}: {graphs} graphs compiled", file=sys.stderr)
             for (precision, name), rate in best.items():
-                int8 = precision == "int8"
-                roofline = copy_bw / bytes_per_token(model, int8)
+                roofline = copy_bw / bytes_per_token(model, QUANTIZE[precision])
                 ratio = rate / best[precision, "llama.cpp"]
-                label = "q8_0" if int8 and name == "llama.cpp" else precision
-                compiled = f"{compile_s[int8]:.1f}" if name == "ours, compiled" else ""
+                label = LLAMA_TYPES.get(precision, precision) if name == "llama.cpp" else precision
+                compiled = f"{compile_s[precision]:.1f}" if name == "ours, compiled" else ""
                 row([shape, label, name, f"{rate:.1f}", f"{ratio:.2f}x",
                      f"{rate / roofline:.0%}", compiled])  # fmt: skip
         torch._dynamo.reset()  # the next shape compiles its own graphs

@@ -31,6 +31,8 @@ from checkpoints.store import (
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import (
+    QUANTIZE_CHOICES,
+    QUANTIZED,
     Precision,
     configure_backends,
     decoding_copy,
@@ -201,8 +203,8 @@ def load_evaluated(
 ) -> tuple[Checkpoint, Precision]:
     """The model `python evaluate.py` scores (checkpoint=, null: the newest run's) on its
     device, and the precision: a triton model without its GPU through sdpa, the same function."""
-    quantize = cfg.get("quantize")
-    check("quantize", quantize, quantize in (None, "int8"), "int8, or null: the weights as stored")
+    quantize = cfg.get("quantize")  # .get: callers' dicts from before the key
+    check("quantize", quantize, quantize in (None, *QUANTIZED), QUANTIZE_CHOICES)
     device = resolve_device(cfg["device"])
     configure_backends(device)
     precision = resolve_precision(device, cfg["dtype"])
@@ -213,9 +215,9 @@ def load_evaluated(
         model = GPT(dataclasses.replace(ckpt.model.config, attention="sdpa")).to(device)
         model.load_state_dict(ckpt.model.state_dict())  # the weights loaded and verified once
         ckpt.model = model
-    if cfg.get("quantize") == "int8":  # .get: callers' dicts from before the key
-        ckpt.model = decoding_copy(ckpt.model, int8=True)
-        say("quantize=int8: every Linear's weights in 8 bits, a scale per row")
+    if quantize:
+        ckpt.model = decoding_copy(ckpt.model, quantize=quantize)
+        say(f"quantize={quantize}: every Linear's weights in {quantize[3:]} bits")
     return ckpt, precision
 
 

@@ -375,18 +375,64 @@ def decodes_from_a_copy(model: nn.Module) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and not is_sharded(model)
 
 
-def decoding_copy(model: nn.Module, parts: int | None = None, int8: bool = False) -> nn.Module:
+class Int4Linear(nn.Module):
+    """nn.Linear's y = x W^T + b with W in 4 bits: each group of 32 consecutive weights of a row
+    as integers q in [0, 15], w = (q - 8) * scale + zero, with the group's scale (max - min) / 15
+    and zero min + 8 * scale (q = 0 at its min, 15 at its max; llama.cpp's q4_1 has the same
+    groups). An eighth of float32's bytes. torch's CPU kernel, `torch._weight_int4pack_mm_for_cpu`,
+    takes x, the scales and the zeros in bfloat16 and returns bfloat16, and wants whole groups and
+    a multiple of 16 outputs: x and W are padded with zeros to that. CPU only."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        if weight.device.type != "cpu":
+            raise ConfigError(
+                f"quantize=int4 runs torch's CPU kernel, not on {weight.device.type}: "
+                "use quantize=int8 there"
+            )
+        self.out_features, self.in_features = weight.shape
+        weight = F.pad(weight, (0, -self.in_features % 32, 0, -self.out_features % 16))
+        groups = weight.view(weight.size(0), -1, 32)  # (out padded, in / 32, 32)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scales = ((high - low).clamp(min=1e-30) / 15).bfloat16()  # rounded as the kernel has them
+        zeros = (low + 8 * scales.float()).bfloat16()
+        ints = ((groups - zeros.float()) / scales.float() + 8).round().clamp(0, 15)
+        packed = torch._convert_weight_to_int4pack_for_cpu(ints.int().flatten(1), 2)
+        self.register_buffer("packed", packed, persistent=False)
+        both = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (in/32, out, 2)
+        self.register_buffer("scales_and_zeros", both, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)  # (out,) or None, as it was
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out)."""
+        lead, width = x.shape[:-1], self.scales_and_zeros.size(0) * 32
+        rows = F.pad(x, (0, width - self.in_features)).reshape(-1, width).bfloat16()
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, 32, self.scales_and_zeros)
+        y = y[:, : self.out_features].reshape(*lead, -1).type_as(x)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZED = dict(int8=Int8Linear, int4=Int4Linear)  # sample.py's and evaluate.py's quantize=
+QUANTIZE_CHOICES = "int8, int4, or null: the weights as stored"
+
+
+def decoding_copy(
+    model: nn.Module, parts: int | None = None, quantize: str | None = None
+) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are SplitLinear (`parts` blocks each; default:
-    torch's CPU thread count), or with `int8` Int8Linear. Everything else is shared with `model`,
-    not copied: the extra memory is one copy of the Linear weights, the head's included. Take a
-    new copy after the weights change."""
+    torch's CPU thread count), or with `quantize` (int8, int4) its QUANTIZED layer. Everything
+    else is shared with `model`, not copied: the extra memory is one copy of the Linear weights,
+    the head's included. Take a new copy after the weights change."""
     parts = parts or torch.get_num_threads()
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     decoder = copy.deepcopy(model, memo=shared)
     for module in list(decoder.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child) if int8 else SplitLinear(child, parts))
+                low_bits = quantize and QUANTIZED[quantize](child)
+                setattr(module, name, low_bits or SplitLinear(child, parts))
     return decoder
 
 

@@ -22,7 +22,13 @@ from base.errors import ConfigError, check, non_negative_int, positive_int, user
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within, text_of
-from hardware.device import configure_backends, decoding_dtype, resolve_device
+from hardware.device import (
+    QUANTIZE_CHOICES,
+    QUANTIZED,
+    configure_backends,
+    decoding_dtype,
+    resolve_device,
+)
 from inference import attention_plot
 from inference.generate import (
     SamplingParams,
@@ -112,13 +118,15 @@ def read_messages(value: Any) -> list[dict[str, str]] | None:
 def decoding_settings(
     cfg: Mapping[str, Any], model: GPT, generator: torch.Generator, err: TextIO
 ) -> dict[str, Any]:
-    """stream_tokens' params, generator, compiled and int8 for `cfg`, with the line that says
+    """stream_tokens' params, generator, compiled and quantize for `cfg`, with the line that says
     how the tokens are decoded, and why, printed first (where there are any)."""
     compiled, line = decoding_plan(cfg.get("compile", "auto"), model, cfg["max_new_tokens"])
-    int8 = cfg.get("quantize") == "int8"
+    quantize = cfg.get("quantize")
     if cfg["max_new_tokens"]:
-        print(f"{line}; weights in int8" if int8 else line, file=err)
-    return {"params": cfg["params"], "generator": generator, "compiled": compiled, "int8": int8}
+        print(f"{line}; weights in {quantize}" if quantize else line, file=err)
+    return {
+        "params": cfg["params"], "generator": generator, "compiled": compiled, "quantize": quantize
+    }  # fmt: skip
 
 
 def reply(
@@ -134,7 +142,7 @@ def reply(
     ids = prompt_within(messages, tokenizer, model.config.block_size)
     idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
     end, text = tokenizer.encode_single_token(IM_END), TextStream(tokenizer, settings["stop"])
-    decoding = {key: settings[key] for key in ("params", "generator", "compiled", "int8")}
+    decoding = {key: settings[key] for key in ("params", "generator", "compiled", "quantize")}
     steps = stream_tokens(
         model, idx, settings["max_new_tokens"], eot_token=end, vocab_size=tokenizer.n_vocab,
         **decoding,
@@ -215,7 +223,7 @@ def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
     compile, quantize = cfg.get("compile", "auto"), cfg.get("quantize")  # .get: as messages
     check("compile", compile, compile in (True, False, "auto"), "true, false or auto")
-    check("quantize", quantize, quantize in (None, "int8"), "int8, or null: the weights as stored")
+    check("quantize", quantize, quantize in (None, *QUANTIZED), QUANTIZE_CHOICES)
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or plots["attention_plot"] or plots["formula"]):

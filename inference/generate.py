@@ -254,7 +254,7 @@ class TokenContext:
         use_cache: bool = True,
         vocab_size: int | None = None,
         compiled: bool = False,
-        int8: bool = False,
+        quantize: str | None = None,
     ):
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
@@ -270,10 +270,10 @@ class TokenContext:
         if vocab_size is not None and vocab_size < model.config.vocab_size:
             self.padding = torch.arange(model.config.vocab_size, device=idx.device) >= vocab_size
         # On a CPU, a token's matrix-vector products stream the weights faster from the layout
-        # of hardware/device.py, in a copy of the model's Linear layers; `int8`: the copy's
-        # weights in 8 bits
-        copied = int8 or decodes_from_a_copy(model)
-        self.decoder = decoding_copy(model, int8=int8) if copied else model
+        # of hardware/device.py, in a copy of the model's Linear layers; `quantize`: the copy's
+        # weights in 8 or 4 bits
+        copied = quantize is not None or decodes_from_a_copy(model)
+        self.decoder = decoding_copy(model, quantize=quantize) if copied else model
         # `compiled`: each one-token step over the cache through `compiled_step`
         self.step = StepKVCache(self.cache) if compiled and self.cache is not None else None
         # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
@@ -318,7 +318,7 @@ def stream_tokens(
     eot_token: int | None = None,
     vocab_size: int | None = None,
     compiled: bool = False,
-    int8: bool = False,
+    quantize: str | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), one step at a time, so callers can print text
     as it comes or stop early (stop strings) by leaving the loop.
@@ -330,11 +330,11 @@ def stream_tokens(
     inference tensors: clone one to change it in place. Each step runs on the CPU thread count
     `ThreadChoice` picks (hardware/device.py), and gives torch its count back before yielding.
     `compiled`: the one-token steps through `compiled_step` (the same tokens; see
-    `decoding_plan`); `int8`: from the model's Linear weights in 8 bits (hardware/device.py's
-    Int8Linear: not the same tokens, close ones).
+    `decoding_plan`); `quantize` (int8, int4): from the model's Linear weights in 8 or 4 bits
+    (hardware/device.py's QUANTIZED: not the same tokens, close ones).
     """
     params = params or SamplingParams()
-    context = TokenContext(model, idx, use_cache, vocab_size, compiled, int8)
+    context = TokenContext(model, idx, use_cache, vocab_size, compiled, quantize)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     # no trials for a compiled step: a graph holds its thread count (another is a recompile)
     threads = ThreadChoice(trials=context.decoder is not model and context.step is None)
