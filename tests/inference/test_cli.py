@@ -306,6 +306,8 @@ def test_a_prompt_file_is_read(run_dir, sample_cfg, tmp_path, capsys):
         ("attention_plot=[a]", "attention_plot must be a file name like attention_plot.png"),
         ("attention_plot=/dev/null/a.png", "error: attention_plot: File exists: '/dev/null'"),
         ("formula=/dev/null/f.png", "error: formula: File exists: '/dev/null'"),  # not a folder
+        ("compile=maybe", "error: compile must be true, false or auto, got 'maybe'"),
+        ("quantize=int2", "error: quantize must be int8, int4, or null: the weights as stored"),
     ],
 )
 def test_bad_settings_are_one_line_errors(run_dir, sample_cfg, capsys, override, message):

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from evals.loss import evaluate_checkpoint
 from hardware.device import Int4Linear, Int8Linear
+from inference.cli import run
 from inference.generate import (
     SamplingParams,
     StepKVCache,
@@ -31,6 +32,16 @@ ARCHS = {
     "gpt2, manual": {},
     "llama, sdpa": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True),
 }
+
+
+# A Linear layer's shapes: rows of x, widths in (past the kernels' multiples of 16 and 32) and out
+LINEAR = dict(
+    rows=st.integers(1, 3),
+    n_in=st.integers(1, 80),
+    n_out=st.integers(1, 40),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 
 
 @pytest.fixture(autouse=True)
@@ -106,14 +117,25 @@ def test_compile_auto_compiles_where_it_pays_and_true_is_refused_where_it_cannot
         decoding_plan(True, flash, 1)
 
 
+def test_sample_py_says_how_it_decodes_and_decodes_so(run_dir, sample_cfg, capsys):
+    """The line on stderr before the tokens, and the tokens of that path: compiled gives the
+    eager text."""
+    texts = {}
+    for flags in ("compile=false", "compile=true", "compile=true quantize=int8"):
+        greedy = (f"checkpoint={run_dir}", "temperature=0", "max_new_tokens=24")
+        texts[flags] = run(sample_cfg(*greedy, *flags.split()))
+        texts[flags, "err"] = capsys.readouterr().err
+    assert texts["compile=false", "err"] == "decoding: eager (compile=false)\n"
+    assert texts["compile=true", "err"] == (
+        "decoding: compiled (the first token waits for torch.compile: 1-25 s)\n"
+    )
+    assert texts["compile=true quantize=int8", "err"].endswith("; weights in int8\n")
+    assert texts["compile=true"] == texts["compile=false"]
+    assert texts["compile=true quantize=int8"][0]  # its own tokens: close ones, maybe the same
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 3),
-    n_in=st.integers(1, 70),
-    n_out=st.integers(1, 40),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**LINEAR)
 def test_int8_linear_computes_its_8_bit_product_for_any_shape(rows, n_in, n_out, bias, seed):
     """Any input width: the kernel wants multiples of 16 (others read past the row: NaN, or a
     crash), so Int8Linear pads. The values: x in bfloat16 times each row's integers times its
@@ -136,13 +158,7 @@ def test_int8_linear_computes_its_8_bit_product_for_any_shape(rows, n_in, n_out,
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 3),
-    n_in=st.integers(1, 80),
-    n_out=st.integers(1, 40),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**LINEAR)
 def test_int4_linear_is_within_half_a_step_of_each_weight_for_any_shape(
     rows, n_in, n_out, bias, seed
 ):
