@@ -16,8 +16,9 @@ forward over block_size tokens.)
 from __future__ import annotations
 
 import codecs
+import functools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tiktoken
@@ -205,9 +206,13 @@ def _one_token(decoder: nn.Module, token: torch.Tensor, cache: StepKVCache) -> t
     return decoder(token, cache=cache, last_only=True)[0][:, -1]  # (B, V)
 
 
-# One graph for a model's every decoding step (and batch size): compiled at the first call,
-# from torch's on-disk caches when an earlier process compiled the same step.
-compiled_step = torch.compile(_one_token, fullgraph=True, dynamic=False)
+@functools.cache
+def compiled_step() -> Callable[..., torch.Tensor]:
+    """`_one_token` compiled: one graph for a model's every decoding step (and batch size), made
+    at its first call, from torch's on-disk caches where an earlier process compiled the same
+    step. A function, so that only a compiled decoding imports dynamo (1.3 s)."""
+    return torch.compile(_one_token, fullgraph=True, dynamic=False)
+
 
 # compile=auto compiles for this many new tokens or more. On a 2-core AMD EPYC (Zen 4) a compiled
 # step saves ~1 ms a token (float32 and int8 weights) and compiling takes 1-4 s from torch's
@@ -293,7 +298,7 @@ class TokenContext:
             if self.step is not None and new.size(1) == 1:
                 self.step.at.fill_(cached)
                 token = new.clone(memory_format=torch.contiguous_format)  # strides (1, 1) always
-                logits = compiled_step(self.decoder, token, self.step)  # (B, V)
+                logits = compiled_step()(self.decoder, token, self.step)  # (B, V)
                 self.cache.advance(1)
             else:
                 logits = self.decoder(new, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)

@@ -82,7 +82,7 @@ def compiled_decoding(model: GPT):
             return model(idx, cache=cache)[0]
         step = StepKVCache(cache)
         step.at.fill_(cache.length)
-        out = compiled_step(model, idx.clone(memory_format=torch.contiguous_format), step)
+        out = compiled_step()(model, idx.clone(memory_format=torch.contiguous_format), step)
         cache.advance(1)
         return out[:, None]  # (B, 1, V)
 
