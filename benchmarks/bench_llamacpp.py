@@ -2,16 +2,16 @@
 
 For each shape (nanoGPT's 30M: 6 x 384, block 256; GPT-2 124M's: 12 x 768, block 1024; both
 with a 50,304-token vocabulary, random weights), a checkpoint is saved and exported with
-`python export.py format=gguf` (float32), then quantized to q8_0 and q4_1 by llama.cpp's own
-llama-quantize (q4_1: a scale and a minimum per 32 weights, as our int4). Rows, each timed
---rounds times, interleaved, best of the rounds:
+`python export.py format=gguf` (float32, and bfloat16 with gguf.dtype), then quantized to q8_0
+and q4_1 by llama.cpp's own llama-quantize (q4_1: a scale and a minimum per 32 weights, as our
+int4). Rows, each timed --rounds times, interleaved, best of the rounds:
 
-- llama.cpp: `llama-bench -p 0 -n N -t <threads>` on the float32, q8_0 and q4_1 files (its
-  tokens/s for N generated tokens at batch 1);
+- llama.cpp: `llama-bench -p 0 -n N -t <threads>` on each file (its tokens/s for N generated
+  tokens at batch 1);
 - ours: `stream_tokens` greedy from a 1-token prompt, N tokens, as sample.py decodes: eager
   (compile=false) and compiled (compile=true, compiled once before the rounds: its compile time
-  is printed apart), with the weights as stored (float32) and in 8 and 4 bits (quantize=int8,
-  quantize=int4).
+  is printed apart), with the weights in float32 and bfloat16 (dtype=) and in 8 and 4 bits
+  (quantize=int8, quantize=int4).
 
 "vs llama.cpp" is ours over llama.cpp's at the same precision (q8_0 for int8, q4_1 for int4);
 "of roofline" the tokens/s over this machine's copy bandwidth divided by the bytes a token reads
@@ -28,6 +28,7 @@ llama-quantize.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -54,20 +55,33 @@ SHAPES = {
 RUN = {"data": {"name": "shakespeare", "tokenizer": "gpt2"}, "train": {"init_from": None}}
 
 
-LLAMA_TYPES = {"int8": "q8_0", "int4": "q4_1"}  # ours: llama.cpp's type of the same bits
-QUANTIZE = {"float32": None, "int8": "int8", "int4": "int4"}  # sample.py's quantize=
+# Each precision: our weights' dtype and sample.py's quantize=, and llama.cpp's type of the same
+# bits (float32 and bfloat16 from export.py's gguf.dtype, the others from llama-quantize)
+PRECISIONS = {
+    "float32": (torch.float32, None, "float32"),
+    "bfloat16": (torch.bfloat16, None, "bfloat16"),
+    "int8": (torch.float32, "int8", "q8_0"),
+    "int4": (torch.float32, "int4", "q4_1"),
+}
 
 
 def gguf_files(model: GPT, work: Path, llama_bin: Path) -> dict[str, Path]:
-    """The model as float32 GGUF (export.py), then in each of LLAMA_TYPES (llama-quantize)."""
+    """The model in each of PRECISIONS' llama.cpp types, one GGUF file each."""
     ckpt = save_checkpoint(work / "ckpt", model, RUN, {"step": 0, "tokenizer": "gpt2"})
-    files = {"float32": work / "float32.gguf"}
     export = [sys.executable, str(ROOT / "export.py"), f"checkpoint={ckpt}", "format=gguf"]
-    subprocess.run([*export, f"out={files['float32']}"], check=True, cwd=ROOT, capture_output=True)
-    for precision, theirs in LLAMA_TYPES.items():
+    files = {}
+    for precision, (_, quantize, theirs) in PRECISIONS.items():
         files[precision] = work / f"{theirs}.gguf"
-        quantize = [str(llama_bin / "llama-quantize"), str(files["float32"]), str(files[precision])]
-        subprocess.run([*quantize, theirs], check=True, capture_output=True)
+        if quantize is None:
+            out = [f"out={files[precision]}", f"gguf.dtype={theirs}"]
+            subprocess.run([*export, *out], check=True, cwd=ROOT, capture_output=True)
+        else:
+            command = [
+                str(llama_bin / "llama-quantize"),
+                str(files["float32"]),
+                str(files[precision]),
+            ]
+            subprocess.run([*command, theirs], check=True, capture_output=True)
     return files
 
 
@@ -96,7 +110,7 @@ def ours(model: GPT, tokens: int, compiled: bool, quantize: str | None) -> float
 def bytes_per_token(model: GPT, quantize: str | None) -> int:
     """Weight bytes a token reads: every matrix once, its scales with it (positions: one row)."""
     if quantize is None:
-        return model.num_params(exclude_positions=True) * 4
+        return model.num_params(exclude_positions=True) * model.lm_head.weight.element_size()
     copy = decoding_copy(model, quantize=quantize)
     low_bits = sum(b.numel() * b.element_size() for n, b in copy.named_buffers() if "mask" not in n)
     return low_bits + sum(p.numel() * 4 for n, p in copy.named_parameters() if "ln" in n)
@@ -119,9 +133,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             files = gguf_files(model, Path(work), args.llama_bin)
             compile_s = {}
-            for precision in files:  # compiled once, before the rounds (torch's caches warm)
+            models = {dtype: copy.deepcopy(model).to(dtype) for dtype, _, _ in PRECISIONS.values()}
+            for precision, (dtype, quantize, _) in PRECISIONS.items():  # compiled before the rounds
                 start = time.perf_counter()
-                ours(model, 2, compiled=True, quantize=QUANTIZE[precision])
+                ours(models[dtype], 2, compiled=True, quantize=quantize)
                 compile_s[precision] = time.perf_counter() - start
             best: dict[tuple[str, str], float] = {}
             copy_bw = 0.0
@@ -132,15 +147,17 @@ def main() -> None:
                     rates = {"llama.cpp": theirs}
                     for compiled in (False, True):
                         name = "ours, compiled" if compiled else "ours, eager"
-                        rates[name] = ours(model, args.tokens, compiled, QUANTIZE[precision])
+                        dtype, quantize, _ = PRECISIONS[precision]
+                        rates[name] = ours(models[dtype], args.tokens, compiled, quantize)
                     for name, rate in rates.items():
                         best[precision, name] = max(best.get((precision, name), 0.0), rate)
-            graphs = counters["stats"]["unique_graphs"]  # 3, or a step recompiled unseen
+            graphs = counters["stats"]["unique_graphs"]  # 4, or a step recompiled unseen
             print(f"{shape}: {graphs} graphs compiled", file=sys.stderr)
             for (precision, name), rate in best.items():
-                roofline = copy_bw / bytes_per_token(model, QUANTIZE[precision])
+                dtype, quantize, theirs = PRECISIONS[precision]
+                roofline = copy_bw / bytes_per_token(models[dtype], quantize)
                 ratio = rate / best[precision, "llama.cpp"]
-                label = LLAMA_TYPES.get(precision, precision) if name == "llama.cpp" else precision
+                label = theirs if name == "llama.cpp" else precision
                 compiled = f"{compile_s[precision]:.1f}" if name == "ours, compiled" else ""
                 row([shape, label, name, f"{rate:.1f}", f"{ratio:.2f}x",
                      f"{rate / roofline:.0%}", compiled])  # fmt: skip
