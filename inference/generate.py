@@ -214,10 +214,10 @@ def compiled_step() -> Callable[..., torch.Tensor]:
     return torch.compile(_one_token, fullgraph=True, dynamic=False)
 
 
-# compile=auto compiles for this many new tokens or more. On a 2-core AMD EPYC (Zen 4) a compiled
-# step saves ~1 ms a token (float32 and int8 weights) and compiling takes 1-4 s from torch's
-# on-disk cache, 10-25 s cold: a warm compile pays after ~1,000-4,000 tokens
-# (docs/performance.md, Compiled decoding).
+# compile=auto compiles for this many new tokens or more. On a 2-core AMD EPYC (Zen 4), 30M
+# shape, a compiled step saves ~1 ms a token (float32, 8 and 4 bits) and compiling takes 1-4 s
+# from torch's on-disk cache, 10-25 s cold: a warm compile pays after ~1,000-4,000 tokens (on the
+# 124M shape it does not pay: docs/performance.md, Compiled decoding).
 COMPILE_PAYS_AFTER = 4096
 
 
@@ -280,7 +280,7 @@ class TokenContext:
         copied = quantize is not None or decodes_from_a_copy(model)
         self.decoder = decoding_copy(model, quantize=quantize) if copied else model
         # `compiled`: each one-token step over the cache through `compiled_step`
-        self.step = StepKVCache(self.cache) if compiled and self.cache is not None else None
+        self.step_cache = StepKVCache(self.cache) if compiled and self.cache is not None else None
         # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
         # FSDP's hooks need version counters, so its sharded models decode under no_grad
         self.grad_free = torch.no_grad if is_sharded(model) else torch.inference_mode
@@ -295,10 +295,10 @@ class TokenContext:
         with self.grad_free():
             cached = 0 if self.cache is None else self.cache.length
             new = self.seq[:, self.start + cached :]  # with a cache: the window's start, then 1
-            if self.step is not None and new.size(1) == 1:
-                self.step.at.fill_(cached)
+            if self.step_cache is not None and new.size(1) == 1:
+                self.step_cache.at.fill_(cached)
                 token = new.clone(memory_format=torch.contiguous_format)  # strides (1, 1) always
-                logits = compiled_step()(self.decoder, token, self.step)  # (B, V)
+                logits = compiled_step()(self.decoder, token, self.step_cache)  # (B, V)
                 self.cache.advance(1)
             else:
                 logits = self.decoder(new, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)
@@ -342,7 +342,7 @@ def stream_tokens(
     context = TokenContext(model, idx, use_cache, vocab_size, compiled, quantize)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     # no trials for a compiled step: a graph holds its thread count (another is a recompile)
-    threads = ThreadChoice(trials=context.decoder is not model and context.step is None)
+    threads = ThreadChoice(trials=context.decoder is not model and context.step_cache is None)
     for step in range(max_new_tokens):
         with context.grad_free(), threads.step(step):
             token = next_token(context.logits(), context.seq, params, generator)
