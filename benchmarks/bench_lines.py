@@ -125,7 +125,8 @@ FEATURES = {
     "compiled decoding and 8-bit weights (sample.py compile=, quantize=)": [
         ("inference/generate.py", ["StepKVCache", "_one_token", "compiled_step"]),
         ("inference/generate.py", ["COMPILE_PAYS_AFTER", "decoding_plan"]),
-        ("hardware/device.py", ["block_products", "_block_products_shape", "Int8Linear"]),
+        ("hardware/device.py", ["block_products", "_block_products_shape", "LowBitLinear"]),
+        ("hardware/device.py", ["Int8Linear"]),
         ("hardware/device.py", ["Int4Linear", "QUANTIZED", "QUANTIZE_CHOICES"]),
         ("inference/cli.py", ["decoding_settings"]),
     ],

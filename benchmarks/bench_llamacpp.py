@@ -153,9 +153,10 @@ def main() -> None:
                         best[precision, name] = max(best.get((precision, name), 0.0), rate)
             graphs = counters["stats"]["unique_graphs"]  # 4, or a step recompiled unseen
             print(f"{shape}: {graphs} graphs compiled", file=sys.stderr)
+            read = {p: bytes_per_token(models[d], q) for p, (d, q, _) in PRECISIONS.items()}
             for (precision, name), rate in best.items():
-                dtype, quantize, theirs = PRECISIONS[precision]
-                roofline = copy_bw / bytes_per_token(models[dtype], quantize)
+                theirs = PRECISIONS[precision][2]
+                roofline = copy_bw / read[precision]  # tokens/s
                 ratio = rate / best[precision, "llama.cpp"]
                 label = theirs if name == "llama.cpp" else precision
                 compiled = f"{compile_s[precision]:.1f}" if name == "ours, compiled" else ""

@@ -331,33 +331,48 @@ class SplitLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int8Linear(nn.Module):
+class LowBitLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: nn.Linear's bias kept as it was, and x padded with
+    zeros to the `width` their kernels want, in bfloat16, the product trimmed to out_features and
+    returned in x's dtype. Inference only, like SplitLinear."""
+
+    def __init__(self, linear: nn.Linear, width: int):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.width = width  # in_features padded to the kernel's multiple
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)  # (out,) or None, as it was
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (n, width) in bfloat16 -> (n, out padded) in bfloat16: the subclass's kernel."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out)."""
+        rows = F.pad(x, (0, self.width - self.in_features)).reshape(-1, self.width)
+        y = self.product(rows.bfloat16())[:, : self.out_features]
+        y = y.reshape(*x.shape[:-1], -1).type_as(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(LowBitLinear):
     """nn.Linear's y = x W^T + b with W in 8 bits: each row of W (an output's weights) as
     integers in [-127, 127] times the row's scale, max |row| / 127, rounded to nearest (llama.cpp's
     q8_0 has a scale per 32 weights instead). A quarter of float32's bytes a token. torch's CPU
     kernel for it, `torch._weight_int8pack_mm`, takes x and the scales in bfloat16 and returns
     bfloat16 (in float32 it runs ~10x slower), and wants the rows a multiple of 16 long: x and W
-    are padded with zeros to that. y comes back in x's dtype. Inference only, like SplitLinear."""
+    are padded with zeros to that."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()  # (out, in)
-        self.in_features = weight.size(1)
-        weight = F.pad(weight, (0, -self.in_features % 16))  # (out, in rounded up to 16)
+        super().__init__(linear, -(-linear.in_features // 16) * 16)
+        weight = F.pad(linear.weight.detach().float(), (0, self.width - self.in_features))
         scales = (weight.abs().amax(dim=1).clamp(min=1e-30) / 127).bfloat16()  # (out,)
         ints = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.register_buffer("ints", ints, persistent=False)
+        self.register_buffer("ints", ints, persistent=False)  # (out, width)
         self.register_buffer("scales", scales, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach()
-        self.register_buffer("bias", bias, persistent=False)  # (out,) or None, as it was
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out)."""
-        lead = x.shape[:-1]
-        rows = F.pad(x, (0, self.ints.size(1) - self.in_features)).reshape(-1, self.ints.size(1))
-        y = torch._weight_int8pack_mm(rows.bfloat16(), self.ints, self.scales)  # (n, out)
-        y = y.view(*lead, -1).type_as(x)
-        return y if self.bias is None else y + self.bias
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.ints, self.scales)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -375,7 +390,7 @@ def decodes_from_a_copy(model: nn.Module) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and not is_sharded(model)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(LowBitLinear):
     """nn.Linear's y = x W^T + b with W in 4 bits: each group of 32 consecutive weights of a row
     as integers q in [0, 15], w = (q - 8) * scale + zero, with the group's scale (max - min) / 15
     and zero min + 8 * scale (q = 0 at its min, 15 at its max; llama.cpp's q4_1 has the same
@@ -384,16 +399,15 @@ class Int4Linear(nn.Module):
     a multiple of 16 outputs: x and W are padded with zeros to that. CPU only."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()  # (out, in)
-        if weight.device.type != "cpu":
+        super().__init__(linear, -(-linear.in_features // 32) * 32)
+        if linear.weight.device.type != "cpu":
             raise ConfigError(
-                f"quantize=int4 runs torch's CPU kernel, not on {weight.device.type}: "
+                f"quantize=int4 runs torch's CPU kernel, not on {linear.weight.device.type}: "
                 "use quantize=int8 there"
             )
-        self.out_features, self.in_features = weight.shape
-        weight = F.pad(weight, (0, -self.in_features % 32, 0, -self.out_features % 16))
-        groups = weight.view(weight.size(0), -1, 32)  # (out padded, in / 32, 32)
+        padding = (0, self.width - self.in_features, 0, -self.out_features % 16)
+        weight = F.pad(linear.weight.detach().float(), padding)  # (out padded, width)
+        groups = weight.view(weight.size(0), -1, 32)  # (out padded, width / 32, 32)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scales = ((high - low).clamp(min=1e-30) / 15).bfloat16()  # rounded as the kernel has them
         zeros = (low + 8 * scales.float()).bfloat16()
@@ -402,16 +416,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         both = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (in/32, out, 2)
         self.register_buffer("scales_and_zeros", both, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach()
-        self.register_buffer("bias", bias, persistent=False)  # (out,) or None, as it was
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out)."""
-        lead, width = x.shape[:-1], self.scales_and_zeros.size(0) * 32
-        rows = F.pad(x, (0, width - self.in_features)).reshape(-1, width).bfloat16()
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, 32, self.scales_and_zeros)
-        y = y[:, : self.out_features].reshape(*lead, -1).type_as(x)
-        return y if self.bias is None else y + self.bias
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, 32, self.scales_and_zeros)
 
 
 QUANTIZED = dict(int8=Int8Linear, int4=Int4Linear)  # sample.py's and evaluate.py's quantize=
