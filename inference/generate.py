@@ -53,13 +53,20 @@ def apply_repetition_penalty(
 
 
 def top_k_filter(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
-    """Keep exactly the k highest logits of each row (ties broken by topk's order)."""
+    """Keep exactly the k highest logits of each row; of those tied with the k-th, the ones at
+    the lowest indices. Not topk's order among ties, which changes with the batch's shape: a
+    server's row keeps what the same row keeps alone (ties are common in bfloat16 logits)."""
     most = min(int(k if isinstance(k, int) else k.max()), logits.size(-1))
-    keep = logits.topk(most, dim=-1).indices  # (B, most), highest first
-    kept = logits.gather(-1, keep)
-    if not isinstance(k, int):  # each row's own k: its first k of them
-        kept = kept.masked_fill(torch.arange(most, device=k.device) >= k, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, keep, kept)
+    highest = logits.topk(most, dim=-1).values  # (B, most), highest first
+    if isinstance(k, int):
+        k, kth = most, highest[:, -1:]  # (B, 1); a k past the vocabulary (or int64) keeps all
+    else:  # each row's own k (0 where the row's top_k is off: its result is not used)
+        kth = highest.gather(-1, (k.clamp(1, most) - 1).expand(-1, 1))
+    above, tied = logits > kth, logits == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # how many of the tied ones stay
+    if bool((tied.sum(dim=-1, keepdim=True) > room).any()):  # more tied than stay: the first
+        tied &= tied.cumsum(dim=-1) <= room
+    return logits.masked_fill(~(above | tied), float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inference.generate import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 
@@ -30,8 +32,26 @@ def test_top_k_larger_than_the_vocabulary_keeps_everything():
     assert torch.equal(top_k_filter(logits, 10), logits)
 
 
-def test_top_k_keeps_exactly_k_even_with_ties():
-    assert len(kept(top_k_filter(torch.zeros(1, 6), 3))) == 3
+def test_top_k_keeps_exactly_k_even_with_ties_the_lowest_indices_of_them():
+    assert kept(top_k_filter(torch.zeros(1, 6), 3)) == [0, 1, 2]
+    assert kept(top_k_filter(torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0]]), 3)) == [0, 1, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(-3, 3), min_size=12, max_size=12), min_size=1, max_size=5),
+    st.data(),
+)
+def test_a_row_keeps_in_a_batch_exactly_what_it_keeps_alone(values, data):
+    """Logits with many ties (as bfloat16's are), each row its own k: the batch's filter keeps,
+    in each row, the logits that row's own filter keeps, k of them (at most the vocabulary)."""
+    logits = torch.tensor(values, dtype=torch.float32)
+    k = torch.tensor([[data.draw(st.integers(1, 14))] for _ in values])
+    batched = top_k_filter(logits, k)
+    for row in range(len(values)):
+        alone = top_k_filter(logits[row : row + 1], int(k[row]))
+        assert torch.equal(batched[row : row + 1], alone)
+        assert len(kept(alone)) == min(int(k[row]), 12)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
