@@ -122,10 +122,21 @@ class Job:
 class Batcher:
     """Decodes Jobs in batches on a worker thread; `submit` refuses jobs past its capacity."""
 
-    def __init__(self, model: GPT, eot: int, vocab_size: int, max_batch: int, max_waiting: int):
+    def __init__(
+        self,
+        model: GPT,
+        eot: int,
+        vocab_size: int,
+        max_batch: int,
+        max_waiting: int,
+        quantize: str | None = None,
+    ):
+        """quantize (int8, int4): decode from the Linear weights in 8 or 4 bits, as sample.py's
+        quantize= does (hardware/device.py's decoding_copy)."""
         self.eot, self.max_batch, self.max_waiting = eot, max_batch, max_waiting
         self.block_size = model.config.block_size
-        self.decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
+        copied = quantize is not None or decodes_from_a_copy(model)
+        self.decoder = decoding_copy(model, quantize=quantize) if copied else model
         if model.config.attention == "flash":  # its tiles take every row to end where k does
             raise ValueError("batched decoding needs attention=manual or sdpa, not flash")
         self.cache = model.new_kv_cache(max_batch, kind=RaggedKVCache)

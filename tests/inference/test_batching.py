@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from data.tokenizer import get_tokenizer
+from hardware.device import cpu_threads
 from inference import batching
 from inference.batching import Batcher, Job, RaggedKVCache
 from inference.generate import SamplingParams, TextStream, TokenContext, next_token, stream_tokens
@@ -53,35 +54,45 @@ def _jobs(model: GPT) -> list[Job]:
     ]
 
 
-def test_each_row_has_its_single_sequence_logits_and_tokens(model):
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_each_row_has_its_single_sequence_logits_and_tokens(model, quantize):
     """Jobs join at different steps (one after three steps) and leave at different steps; at
     every step each row's logits are TokenContext's for that job's tokens (within 1e-5), and
-    each job's tokens are stream_tokens' for its settings and seed."""
-    batcher = Batcher(model, eot=50256, vocab_size=50257, max_batch=3, max_waiting=8)
-    jobs = _jobs(model)
-    assert batcher.submit(jobs[:3])
-    contexts = {id(j): TokenContext(model, torch.tensor([j.ids]), vocab_size=50257) for j in jobs}
-    for step in range(60):
-        if step == 3:
-            assert batcher.submit(jobs[3:])  # waits for a free row: max_batch is 3
-        logits = batcher.step()
-        if logits is None:
-            break
-        rows = list(batcher.active)
-        assert 0 < len(rows) <= 3
-        for row, job in enumerate(rows):
-            context = contexts[id(job)]
-            with torch.inference_mode():
-                expected = context.logits()[0]
-            torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
-            context.append(torch.tensor(job.tokens[-1:]))
-    assert batcher.step() is None and not batcher.active and not batcher.waiting
-    for job, (_, max_tokens, params, seed) in zip(jobs, SETTINGS, strict=True):
-        generator = torch.Generator().manual_seed(seed)
-        steps = stream_tokens(
-            model, torch.tensor([job.ids]), max_tokens, params, generator, vocab_size=50257
+    each job's tokens are stream_tokens' for its settings and seed: with the weights in float32,
+    and in 8 and 4 bits as sample.py's quantize= decodes them. On one thread: the 8- and 4-bit
+    kernels' sums depend on the thread count, which stream_tokens' ThreadChoice varies."""
+    with cpu_threads(1):
+        batcher = Batcher(
+            model, 50256, vocab_size=50257, max_batch=3, max_waiting=8, quantize=quantize
         )
-        assert job.tokens == [int(t) for t in steps]
+        jobs = _jobs(model)
+        assert batcher.submit(jobs[:3])
+        contexts = {
+            id(j): TokenContext(model, torch.tensor([j.ids]), vocab_size=50257, quantize=quantize)
+            for j in jobs
+        }
+        for step in range(60):
+            if step == 3:
+                assert batcher.submit(jobs[3:])  # waits for a free row: max_batch is 3
+            logits = batcher.step()
+            if logits is None:
+                break
+            rows = list(batcher.active)
+            assert 0 < len(rows) <= 3
+            for row, job in enumerate(rows):
+                context = contexts[id(job)]
+                with torch.inference_mode():
+                    expected = context.logits()[0]
+                torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
+                context.append(torch.tensor(job.tokens[-1:]))
+        assert batcher.step() is None and not batcher.active and not batcher.waiting
+        for job, (_, max_tokens, params, seed) in zip(jobs, SETTINGS, strict=True):
+            generator = torch.Generator().manual_seed(seed)
+            steps = stream_tokens(
+                model, torch.tensor([job.ids]), max_tokens, params, generator, vocab_size=50257,
+                quantize=quantize,
+            )  # fmt: skip
+            assert job.tokens == [int(t) for t in steps]
 
 
 def test_a_cancelled_job_leaves_and_a_full_batcher_refuses(model):
