@@ -127,7 +127,7 @@ FEATURES = {
         ("inference/generate.py", ["COMPILE_PAYS_AFTER", "decoding_plan"]),
         ("hardware/device.py", ["block_products", "_block_products_shape", "LowBitLinear"]),
         ("hardware/device.py", ["Int8Linear"]),
-        ("hardware/device.py", ["Int4Linear", "QUANTIZED", "QUANTIZE_CHOICES"]),
+        ("hardware/device.py", ["Int4Linear", "QUANTIZED", "quantize_setting"]),
         ("inference/cli.py", ["decoding_settings"]),
     ],
     "Muon optimizer": [

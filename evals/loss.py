@@ -31,11 +31,10 @@ from checkpoints.store import (
 from data.loader import bits_per_byte, iter_eval_batches
 from data.pipeline import prepare_data
 from hardware.device import (
-    QUANTIZE_CHOICES,
-    QUANTIZED,
     Precision,
     configure_backends,
     decoding_copy,
+    quantize_setting,
     resolve_device,
     resolve_precision,
 )
@@ -203,8 +202,7 @@ def load_evaluated(
 ) -> tuple[Checkpoint, Precision]:
     """The model `python evaluate.py` scores (checkpoint=, null: the newest run's) on its
     device, and the precision: a triton model without its GPU through sdpa, the same function."""
-    quantize = cfg.get("quantize")  # .get: callers' dicts from before the key
-    check("quantize", quantize, quantize in (None, *QUANTIZED), QUANTIZE_CHOICES)
+    quantize = quantize_setting(cfg.get("quantize"))  # .get: callers' dicts from before the key
     device = resolve_device(cfg["device"])
     configure_backends(device)
     precision = resolve_precision(device, cfg["dtype"])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from base.errors import ConfigError, choice
+from base.errors import ConfigError, check, choice
 from base.files import write_atomic
 
 # Dense (non-sparse) peak tensor-core FLOP/s per GPU, from the vendors' datasheets.
@@ -421,8 +421,13 @@ class Int4Linear(LowBitLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, 32, self.scales_and_zeros)
 
 
-QUANTIZED = dict(int8=Int8Linear, int4=Int4Linear)  # sample.py's and evaluate.py's quantize=
-QUANTIZE_CHOICES = "int8, int4, or null: the weights as stored"
+QUANTIZED = dict(int8=Int8Linear, int4=Int4Linear)  # quantize= of sample, evaluate and serve
+
+
+def quantize_setting(value: Any) -> str | None:
+    """The `quantize` key of sample.py, evaluate.py and serve.py, checked."""
+    rule = "int8, int4, or null: the weights as stored"
+    return check("quantize", value, value in (None, *QUANTIZED), rule)
 
 
 def decoding_copy(

@@ -22,13 +22,7 @@ from base.errors import ConfigError, check, non_negative_int, positive_int, user
 from base.files import read_utf8
 from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import IM_END, bad_message, prompt_within, text_of
-from hardware.device import (
-    QUANTIZE_CHOICES,
-    QUANTIZED,
-    configure_backends,
-    decoding_dtype,
-    resolve_device,
-)
+from hardware.device import configure_backends, decoding_dtype, quantize_setting, resolve_device
 from inference import attention_plot
 from inference.generate import (
     SamplingParams,
@@ -221,9 +215,9 @@ def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     check("stream", stream, stream is None or isinstance(stream, bool), "true, false or null")
     prompt = read_prompt(cfg["prompt"], cfg["prompt_file"])
     plots = {key: figure_path(key, cfg.get(key)) for key in ("attention_plot", "formula")}
-    compile, quantize = cfg.get("compile", "auto"), cfg.get("quantize")  # .get: as messages
+    compile = cfg.get("compile", "auto")  # .get: as messages
     check("compile", compile, compile in (True, False, "auto"), "true, false or auto")
-    check("quantize", quantize, quantize in (None, *QUANTIZED), QUANTIZE_CHOICES)
+    quantize_setting(cfg.get("quantize"))
     messages = read_messages(cfg.get("messages"))  # .get: keys newer than a caller's dict
     chat = bool(cfg.get("chat")) or messages is not None
     if chat and (prompt or num_samples > 1 or plots["attention_plot"] or plots["formula"]):

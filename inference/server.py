@@ -55,7 +55,7 @@ from base.errors import ConfigError, check, is_int, positive, user_errors
 from base.files import read_utf8
 from checkpoints.store import GPT2_NAMES, find_checkpoint, load_source
 from data.chat import IM_END, IM_START, generation_prompt, render, text_of
-from hardware.device import configure_backends, decoding_dtype, resolve_device
+from hardware.device import configure_backends, decoding_dtype, quantize_setting, resolve_device
 from inference.attention_plot import formula_view, token_labels
 from inference.batching import Batcher, Job
 from inference.generate import SamplingParams, TextStream
@@ -270,13 +270,23 @@ class Reply:
 class Server:
     """The model, its tokenizer, the batcher and the limits behind the app's routes."""
 
-    def __init__(self, model: GPT, tokenizer: Encoding, name: str, limits: dict, hosts: set | None):
-        """hosts: the Host headers a request may carry (None: any, for a wildcard address)."""
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Encoding,
+        name: str,
+        limits: dict,
+        hosts: set | None,
+        quantize: str | None = None,
+    ):
+        """hosts: the Host headers a request may carry (None: any, for a wildcard address);
+        quantize (int8, int4): the batch decodes from the Linear weights in 8 or 4 bits."""
         self.model, self.tokenizer, self.name, self.limits = model, tokenizer, name, limits
-        self.keys, self.hosts = limits.pop("api_keys"), hosts
+        self.keys, self.hosts, self.quantize = limits.pop("api_keys"), hosts, quantize
         self.batcher = Batcher(
-            model, tokenizer.eot_token, tokenizer.n_vocab, limits["max_batch"], limits["max_queue"]
-        )
+            model, tokenizer.eot_token, tokenizer.n_vocab, limits["max_batch"],
+            limits["max_queue"], quantize,
+        )  # fmt: skip
         # A prompt of more characters than this has more than max_prompt_tokens tokens: refused
         # before it is tokenized
         longest = max(map(len, map(tokenizer.decode_single_token_bytes, range(tokenizer.n_vocab))))
@@ -624,6 +634,7 @@ class Server:
         c = self.model.config
         dtype = str(self.model.lm_head.weight.dtype).removeprefix("torch.")
         shape = dict(n_layer=c.n_layer, n_head=c.n_head, block_size=c.block_size, dtype=dtype)
+        shape["quantize"] = self.quantize  # the decoding's weights (the views': `dtype`)
         counts = {**self.batcher.counts(), "views": self.viewing}
         chat = self.end is not None
         return {"model": self.name, **shape, "chat": chat, "limits": self.limits, **counts}
@@ -788,6 +799,7 @@ def main(cfg: Mapping[str, Any]) -> int:
         device = resolve_device(str(cfg["device"]))
         configure_backends(device)
         dtype = decoding_dtype(str(cfg["dtype"]), device)
+        quantize = quantize_setting(cfg.get("quantize"))  # .get: a caller's config from before it
         ipv6 = ":" in host
         try:
             family = socket.AF_INET6 if ipv6 else socket.AF_INET
@@ -808,7 +820,9 @@ def main(cfg: Mapping[str, Any]) -> int:
         name = cfg["name"] or model_name(str(source), ckpt.path)
         where = f"{f'[{host}]' if ipv6 else host}:{sock.getsockname()[1]}"
         hosts = allowed_hosts(host, where, named)
-        server = Server(model, ckpt.tokenizer(), str(name), values, hosts)
+        server = Server(model, ckpt.tokenizer(), str(name), values, hosts, quantize)
+        if quantize:
+            print(f"decoding: weights in {quantize} (quantize={quantize})", file=sys.stderr)
     server.batcher.start()
     print(f"serving {server.name} on http://{where} (the page: http://{where}/)", flush=True)
     uvicorn.Server(uvicorn_config(server)).run(sockets=[sock])

@@ -22,10 +22,12 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from checkpoints.store import load_source
 from data.chat import chat_tokenizer
 from data.tokenizer import get_tokenizer
+from hardware.device import cpu_threads
 from inference.cli import run
-from inference.generate import next_token
+from inference.generate import TokenContext, next_token
 from inference.server import ApiError, CompletionRequest, Reply, Server
 from model import GPT, GPTConfig
 from tests.inference.conftest import JSON, SERVE_PY, request, wait_until_idle
@@ -73,6 +75,34 @@ def test_the_same_tokens_as_sample_py(server, serve_checkpoint, sample_cfg):
             extra_body=extra,
         )
         assert done.choices[0].text == expected
+
+
+def test_quantized_serving_decodes_as_sample_py_does(start_server, serve_checkpoint, sample_cfg):
+    """quantize=int8: the same text as `sample.py quantize=int8` for the same seed, and logprobs
+    from the 8-bit weights, not the float32 ones (both on one thread: the 8-bit kernel's sums
+    change with the thread count)."""
+    url = start_server("quantize=int8", env={"OMP_NUM_THREADS": "1"})[0]
+    assert request(url, "GET", "/api/info")[2]["quantize"] == "int8"
+    cfg = sample_cfg(
+        f"checkpoint={serve_checkpoint}", "prompt='Hello there'", "max_new_tokens=40", "seed=7",
+        "stream=false", "quantize=int8",
+    )  # fmt: skip
+    with cpu_threads(1):
+        (expected,) = run(cfg, out=io.StringIO(), err=io.StringIO())
+        model = load_source(serve_checkpoint).model.eval()
+        ids = torch.tensor([get_tokenizer("gpt2").encode("Hello there")])
+        with torch.inference_mode():
+            first = {
+                q: TokenContext(model, ids, vocab_size=50257, quantize=q).logits()[0]
+                for q in (None, "int8")
+            }
+    done = complete(url, prompt="Hello there", max_tokens=40, seed=7, temperature=0.8, logprobs=1,
+                    extra_body={"top_k": 200})  # fmt: skip
+    assert done.choices[0].text == expected
+    token = get_tokenizer("gpt2").encode(done.choices[0].logprobs.tokens[0])[0]
+    logprob = {q: float(logits.log_softmax(-1)[token]) for q, logits in first.items()}
+    assert abs(done.choices[0].logprobs.token_logprobs[0] - logprob["int8"]) < 1e-5
+    assert abs(logprob["int8"] - logprob[None]) > 1e-4  # the test tells the weights apart
 
 
 def test_streaming_gives_the_same_text_in_chunks_and_ends_with_done(server):
@@ -304,6 +334,7 @@ def test_a_full_queue_answers_429_with_retry_after(start_server):
         (["api_key=k", "api_key_file=keys"], "error: api_key and api_key_file are both set"),
         (["api_key_file=/no/keys"], "error: api_key_file /no/keys does not exist"),
         (["api_key=[k, 5]"], "error: api_key must be a string, a list of strings, or null"),
+        (["quantize=int2"], "error: quantize must be int8, int4, or null: the weights as stored"),
     ],
 )
 def test_a_bad_config_is_one_error_line_and_exit_2(args, says, tmp_path, serve_checkpoint):

@@ -1,20 +1,19 @@
-"""Experiment: would the server's batched step pay for a compile? Eager against compiled, per
-batch size; print a markdown table.
+"""The server's batched step (inference/batching.py) per batch size: eager in float32, compiled,
+and eager from 8- and 4-bit weights (serve.py quantize=); print a markdown table.
 
-The server (inference/batching.py) decodes its rows together, each at its own position, through
-a RaggedKVCache: one eager forward a step. Issue 58 asked for that step compiled with fixed batch
-buckets, as sample.py's one-row step is (inference/generate.py, `compiled_step`). This measures
-it before building it: the same decoding model (the server's row-block copy), the same tokens
-and positions, one step of R rows
+The server decodes its rows together, each at its own position, through a RaggedKVCache: one
+eager forward a step, from the row-block decoding copy (hardware/device.py). Issue 58 asked for
+that step compiled with fixed batch buckets, as sample.py's one-row step is (inference/generate.py,
+`compiled_step`); this measures it before building it: the same forward compiled with
+`torch.compile(fullgraph=True, dynamic=False)` over a cache of fixed shapes (`RowStepCache`
+below: every row writes at its own position `at` and attends over all block_size positions under
+the causal mask's row at `at`), as a bucketed server would run it. And the same eager step from
+the decoding copy with quantize=int8 and int4.
 
-- eager: the Batcher's forward over its RaggedKVCache (each row's keys up to its own length);
-- compiled: `torch.compile(fullgraph=True, dynamic=False)` of the same forward over a cache of
-  fixed shapes (`RowStepCache` below: every row writes at its own position `at` and attends over
-  all block_size positions under the causal mask's row at `at`), as a bucketed server would run.
+Rows start at random lengths in [50, 150); every step decodes at the same positions. Timed
+alternately, 20 steps a round, best of --rounds, after a warm-up (the compile's time apart).
 
-Rows start at random lengths in [50, 150). Timed alternately, best of --rounds, after a warm-up.
-
-    python benchmarks/bench_batched_compile.py [--shapes 30m 124m] [--rows 1 4 8 16]
+    python benchmarks/bench_batched_step.py [--shapes 30m 124m] [--rows 1 4 8 16]
 """
 
 from __future__ import annotations
@@ -78,32 +77,40 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print(f"{harness.machine()}, {torch.get_num_threads()} threads, float32\n")
-    print("| shape | rows | eager tok/s | compiled tok/s | compiled / eager | compile s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"{harness.machine()}, {torch.get_num_threads()} threads\n")
+    print("| shape | rows | eager tok/s | compiled | int8 | int4 | compile s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     torch._dynamo.config.recompile_limit = 64  # a graph per shape and row count
     compiled = torch.compile(one_step, fullgraph=True, dynamic=False)
     for shape in args.shapes:
         model = GPT(GPTConfig(**SHAPES[shape], vocab_size=50304, dropout=0.0)).eval()
-        decoder = decoding_copy(model) if decodes_from_a_copy(model) else model
+        copies = {q: decoding_copy(model, quantize=q) for q in (None, "int8", "int4")}
+        assert decodes_from_a_copy(model)  # the server's float32 decoder on a CPU: copies[None]
         for rows in args.rows:
             ragged = model.new_kv_cache(rows, kind=RaggedKVCache)
             ragged.lengths[:] = torch.randint(50, 150, (rows, 1))
             tokens = torch.randint(0, 50000, (rows, 1))
             fixed = RowStepCache(ragged, ragged.lengths[:, 0].clone())
-
             started = time.perf_counter()
-            compiled(decoder, tokens, fixed)
+            compiled(copies[None], tokens, fixed)
             compile_s = time.perf_counter() - started
-            times = {"eager": float("inf"), "compiled": float("inf")}
+            steps = {  # name: (function, its arguments)
+                "eager": (eager_step, (copies[None], tokens, ragged)),
+                "compiled": (compiled, (copies[None], tokens, fixed)),
+                "int8": (eager_step, (copies["int8"], tokens, ragged)),
+                "int4": (eager_step, (copies["int4"], tokens, ragged)),
+            }
+            best = dict.fromkeys(steps, float("inf"))
             for _ in range(args.rounds):  # alternated
-                eager_s = seconds(eager_step, decoder, tokens, ragged)
-                compiled_s = seconds(compiled, decoder, tokens, fixed)
-                times = {"eager": min(times["eager"], eager_s),
-                         "compiled": min(times["compiled"], compiled_s)}  # fmt: skip
-            e, c = rows / times["eager"], rows / times["compiled"]
-            print(f"| {shape} | {rows} | {e:.0f} | {c:.0f} | {c / e:.2f}x | {compile_s:.1f} |",
-                  flush=True)  # fmt: skip
+                for name, (step, step_args) in steps.items():
+                    step(*step_args)  # warm
+                    best[name] = min(best[name], seconds(step, *step_args))
+            eager = rows / best["eager"]
+            cells = [f"{eager:.0f}"] + [
+                f"{rows / best[name]:.0f} ({best['eager'] / best[name]:.2f}x)"
+                for name in ("compiled", "int8", "int4")
+            ]
+            print(f"| {shape} | {rows} | {' | '.join(cells)} | {compile_s:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
