@@ -219,6 +219,42 @@ def load_evaluated(
     return ckpt, precision
 
 
+def scored_text(
+    cfg: Mapping[str, Any], ckpt: Checkpoint
+) -> tuple[np.ndarray, np.ndarray | None, int, str]:
+    """(tokens, loss mask or None, bytes, its name) of what `python evaluate.py` scores:
+    `text_file`, else the validation split of dataset=/data=, else of the checkpoint's own
+    dataset, tokenized as the model's own text was."""
+    tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
+    if cfg["text_file"]:
+        tokens, nbytes, source = text_file_tokens(cfg["text_file"], tokenizer)
+        return tokens, None, nbytes, source
+    named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
+    if named:  # tokenized as the model's own text was, whatever the dataset's default
+        named = {**named, **source_tokenizer(ckpt.path)}
+    data_cfg = named or ckpt.run_config.get("data")
+    if data_cfg is None:
+        raise DataError(
+            f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
+            "(no run.data in its config.json); evaluate with dataset=<name> or text_file=<path>"
+        )
+    if data_cfg.get("val_files") and not data_cfg.get("train_files"):  # val alone is scored
+        data_cfg = {**data_cfg, "train_files": data_cfg["val_files"]}
+    data = prepare_data(data_cfg, verbose=False)
+    if not ckpt.same_tokenizer(data):
+        name, theirs = data.tokenizer_name, ckpt.tokenizer_name
+        why = f"with {name}, the checkpoint {ckpt.path} with {theirs}"
+        if name == theirs:
+            why = f"with another {name} than the checkpoint {ckpt.path} (its text changed)"
+        raise DataError(
+            f"{data.dir} is tokenized {why}; evaluate with data=<name> or dataset=<name> "
+            "(tokenized with the checkpoint's own) or text_file=<path>"
+        )
+    add_template_tokens(ckpt, data)  # a base model scored on conversations
+    source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
+    return data.tokens("val"), data.mask("val"), nbytes, source
+
+
 def evaluate_checkpoint(
     cfg: Mapping[str, Any], say: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -229,35 +265,7 @@ def evaluate_checkpoint(
     if cfg["dataset"] and cfg.get("data"):  # data=: train.py's group, its data.* keys too
         raise ConfigError("give dataset=<name> or data=<name> (with its data.* keys), not both")
     ckpt, precision = load_evaluated(cfg, say)
-    tokenizer = ckpt.tokenizer()  # from the checkpoint alone: the data cache may be gone
-    if cfg["text_file"]:
-        tokens, nbytes, source = text_file_tokens(cfg["text_file"], tokenizer)
-        mask = None
-    else:
-        named = {"name": cfg["dataset"]} if cfg["dataset"] else cfg.get("data")
-        if named:  # tokenized as the model's own text was, whatever the dataset's default
-            named = {**named, **source_tokenizer(ckpt.path)}
-        data_cfg = named or ckpt.run_config.get("data")
-        if data_cfg is None:
-            raise DataError(
-                f"the checkpoint {ckpt.path} does not record the dataset it was trained on "
-                "(no run.data in its config.json); evaluate with dataset=<name> or text_file=<path>"
-            )
-        if data_cfg.get("val_files") and not data_cfg.get("train_files"):  # val alone is scored
-            data_cfg = {**data_cfg, "train_files": data_cfg["val_files"]}
-        data = prepare_data(data_cfg, verbose=False)
-        if not ckpt.same_tokenizer(data):
-            name, theirs = data.tokenizer_name, ckpt.tokenizer_name
-            why = f"with {name}, the checkpoint {ckpt.path} with {theirs}"
-            if name == theirs:
-                why = f"with another {name} than the checkpoint {ckpt.path} (its text changed)"
-            raise DataError(
-                f"{data.dir} is tokenized {why}; evaluate with data=<name> or dataset=<name> "
-                "(tokenized with the checkpoint's own) or text_file=<path>"
-            )
-        add_template_tokens(ckpt, data)  # a base model scored on conversations
-        tokens, mask = data.tokens("val"), data.mask("val")
-        source, nbytes = f"{data.meta['dataset']}/val", data.meta["splits"]["val"]["bytes"]
+    tokens, mask, nbytes, source = scored_text(cfg, ckpt)
     stride, block_size = cfg["stride"], ckpt.model.config.block_size
     ok = stride is None or (is_int(stride, 1) and stride <= block_size)
     check("stride", stride, ok, "null or an integer in [1, block_size]")
