@@ -56,17 +56,19 @@ def top_k_filter(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Keep exactly the k highest logits of each row; of those tied with the k-th, the ones at
     the lowest indices. Not topk's order among ties, which changes with the batch's shape: a
     server's row keeps what the same row keeps alone (ties are common in bfloat16 logits)."""
-    most = min(int(k if isinstance(k, int) else k.max()), logits.size(-1))
-    highest = logits.topk(most, dim=-1).values  # (B, most), highest first
-    if isinstance(k, int):
-        k, kth = most, highest[:, -1:]  # (B, 1); a k past the vocabulary (or int64) keeps all
-    else:  # each row's own k (0 where the row's top_k is off: its result is not used)
-        kth = highest.gather(-1, (k.clamp(1, most) - 1).expand(-1, 1))
-    above, tied = logits > kth, logits == kth
-    room = k - above.sum(dim=-1, keepdim=True)  # how many of the tied ones stay
-    if bool((tied.sum(dim=-1, keepdim=True) > room).any()):  # more tied than stay: the first
-        tied &= tied.cumsum(dim=-1) <= room
-    return logits.masked_fill(~(above | tied), float("-inf"))
+    rows, vocab = logits.shape
+    most = min(int(k if isinstance(k, int) else k.max()), vocab)
+    k = torch.full((rows, 1), most) if isinstance(k, int) else k.clamp(1, most)  # (B, 1)
+    k = k.to(logits.device)  # each row's own (one clamped from 0: top_k off, its result unused)
+    values, keep = logits.topk(min(most + 1, vocab), dim=-1)  # (B, most + 1): one past the k-th
+    kth = values.gather(-1, k - 1)
+    if bool(((values.gather(-1, k % values.size(-1)) == kth) & (k < vocab)).any()):  # tied past
+        above, tied = logits > kth, logits == kth
+        tied &= tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)
+        return logits.masked_fill(~(above | tied), float("-inf"))
+    first_k = torch.arange(most, device=logits.device) < k  # (B, most)
+    kept = values[:, :most].masked_fill(~first_k, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, keep[:, :most], kept)
 
 
 def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
