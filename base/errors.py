@@ -3,7 +3,7 @@ the boundary that prints a mistake as one `error:` line with exit code 2 (`user_
 entry scripts' `hydra_main`, which brings Hydra's own errors to that boundary.
 
 Every error the project raises for bad input derives from UserError (ConfigError and DataError
-here, CheckpointError in checkpoints/store.py), so one handler covers them all, and nothing else:
+and CheckpointError, all here), so one handler covers them all, and nothing else:
 a ValueError from a bug keeps its traceback.
 
 `check(key, value, ok, rule)` names the key the user typed and what it accepts, `error: <key>
@@ -52,6 +52,10 @@ class ConfigError(UserError):
 class DataError(UserError):
     """A user mistake in the data (bad name, missing file, too little data), said in one line:
     what was wrong and how to fix it."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or corrupt; the message says which file and why."""
 
 
 def exit_user_error(message: str) -> NoReturn:

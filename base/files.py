@@ -1,5 +1,6 @@
 """Files and directories written whole or not at all, files checked against their recorded size
-and sha256, and a user's UTF-8 text file read with a one-line error.
+and sha256, a safetensors file's header read alone, and a user's UTF-8 text file read with a
+one-line error.
 
 Everything written for a later reader (prepared data, checkpoints, exports, the run's records,
 the precision cache) goes through `atomic_path`, `write_atomic` or `write_dir_atomic`: written
@@ -20,10 +21,31 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
-from base.errors import DataError
+from safetensors import SafetensorError, safe_open
+
+from base.errors import CheckpointError, DataError
 
 HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
+FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # weights' types: bytes a value
+
+
+class TensorInfo(NamedTuple):
+    dtype: str  # safetensors' name: "F32", "BF16", ...
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone (the
+    byte ranges checked against the file by safetensors: a shape is backed by bytes that exist).
+    Raises CheckpointError naming the file if the header is malformed or claims bytes it lacks."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            return {k: TensorInfo(s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
 
 
 def writable_error(directory: str | Path) -> str | None:

@@ -35,7 +35,7 @@ from base.errors import ConfigError, boolean, choice
 from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
-from checkpoints.store import Checkpoint, find_checkpoint, load_source, stored_state
+from checkpoints.store import Checkpoint, find_checkpoint, load_source
 from data.chat import CHAT_TEMPLATE, IM_END, TEMPLATE
 from data.tokenizer import gpt2_bpe_files
 from model import GPTConfig
@@ -103,7 +103,7 @@ def hf_files(ckpt: Checkpoint) -> dict[str, Any]:
     tokenizer = ckpt.tokenizer()
     eot = tokenizer.eot_token  # <|endoftext|>
     hf_config = _hf_config(config, kind, eot)
-    state = stored_state(ckpt.model.float().cpu())  # a tied head once, as wte
+    state = ckpt.model.float().cpu().stored_state()  # a tied head once, as wte
     n_vocab = tokenizer.n_vocab  # a padded vocabulary (50304) exports as GPT-2's 50257
     if config.vocab_size > n_vocab:  # the padding rows are never drawn nor trained: dropped
         hf_config["vocab_size"] = n_vocab

@@ -4,8 +4,8 @@ each GPTConfig field is in transformers' GPT-2 and Llama, for this import and fo
 Our module names follow GPT-2's, so the only differences are HF's `Conv1D` layers, which store
 weights as (in, out) and must be transposed, and buffers (`attn.bias`, `attn.masked_bias`) that
 we do not keep. Works offline from a state dict, a safetensors file, or a model directory.
-The end of this file: a GPT-2 name (downloaded once through the hub client) or a HF directory as
-a `Checkpoint`, which store.load_source imports only for such a source.
+checkpoints/store.py's `load_source` imports this module for a GPT-2 name (downloaded once
+through the hub client) or a HF directory alone.
 """
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from base.errors import ConfigError
-from checkpoints.store import (
-    WEIGHT_FILES,
-    Checkpoint,
-    CheckpointError,
-    read_safetensors_header,
-    stored_shapes,
-    stored_state,
-)
+from base.errors import CheckpointError
+from base.files import read_safetensors_header
 from model.gpt import GPT, GPTConfig
+
+# A Hugging Face directory's weights, in order of preference
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 # HF's Conv1D weights, stored (in, out): the transpose of our Linear's
 CONV1D_WEIGHTS = (
@@ -203,7 +199,7 @@ def load_hf_gpt2(
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
         config = dataclasses.replace(config, tie_embeddings=False)
     model = GPT(config)
-    for key, target in stored_state(model).items():  # detached views of the parameters
+    for key, target in model.stored_state().items():  # detached views of the parameters
         w = sd[key.removeprefix("transformer.")]
         target.copy_(w.t() if key.endswith(CONV1D_WEIGHTS) else w)
     return model
@@ -251,7 +247,7 @@ def _config_from_shapes(
             )
     config = GPTConfig(**{**shape, **overrides, "n_head": n_head})
     # every tensor our model needs, with its shape (HF's Conv1D transposed): on the meta device
-    for key, shape in stored_shapes(config).items():
+    for key, shape in GPT.stored_shapes(config).items():
         hf_key = key.removeprefix("transformer.")
         if hf_key not in shapes:
             raise CheckpointError(f"weight {hf_key!r} is missing from the GPT-2 checkpoint")
@@ -259,47 +255,3 @@ def _config_from_shapes(
         if got != shape:
             raise CheckpointError(f"{hf_key}: shape {tuple(got)} != ours {shape}")
     return config
-
-
-# ----- Hugging Face directories and GPT-2 names as model sources (store.load_source) --------------
-
-HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
-
-
-def download_gpt2(name: str) -> Path:
-    """The local directory of GPT-2 `name` in the hub client's cache, downloaded if missing
-    (config.json and model.safetensors only: every GPT-2 repository has safetensors)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
-    except LocalEntryNotFoundError:
-        raise ConfigError(
-            f"{name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
-            f"HF_HUB_OFFLINE=1); download it once with network access, or point at a local copy: "
-            f"a directory with config.json and model.safetensors, e.g. "
-            f"train.init_from=/path/to/{name} (or checkpoint=/path/to/{name})"
-        ) from None
-    except OSError as e:  # the hub's HTTP errors derive from OSError too
-        raise ConfigError(f"could not download {name} from the Hugging Face hub: {e}") from None
-
-
-def load_hf_dir(path: Path, device: str | torch.device = "cpu", **overrides: Any) -> Checkpoint:
-    """A Hugging Face GPT-2 directory as a Checkpoint (GPT-2's tokenizer, no trainer state)."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != "gpt2":
-        raise CheckpointError(
-            f"{path} holds a {model_type!r} model; Hugging Face directories must hold GPT-2 "
-            "(model_type 'gpt2' in config.json)"
-        )
-    try:
-        model = load_hf_gpt2(path, **overrides)
-    except (KeyError, RuntimeError) as e:  # missing tensors; unreadable weights
-        raise CheckpointError(f"cannot load the GPT-2 weights in {path}: {e}") from None
-    meta = {"tokenizer": "gpt2", "source": str(path), "step": None}
-    return Checkpoint(path, model.to(device), {"data": dict(HF_DATA)}, meta)

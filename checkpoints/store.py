@@ -32,15 +32,24 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import tiktoken
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from base.errors import ConfigError, UserError
-from base.files import recover_swap, sha256_file, verify_files, writable_error, write_dir_atomic
+from base.errors import CheckpointError, ConfigError
+from base.files import (
+    FLOAT_DTYPES,
+    TensorInfo,
+    read_safetensors_header,
+    recover_swap,
+    sha256_file,
+    verify_files,
+    writable_error,
+    write_dir_atomic,
+)
 from data.chat import TEMPLATE, chat_tokenizer
 from data.tokenizer import TOKENIZER_FILE, load_tokenizer, parse_tokenizer, tokenizer_fingerprint
 from model import GPT, GPTConfig
@@ -63,45 +72,12 @@ MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
 
 # What a weights file says, checked before anything is allocated for it.
 #
-# `read_safetensors_header` reads a safetensors file's header alone (no tensor data) through
-# safetensors itself, which refuses a header whose byte ranges do not tile the rest of the file
-# exactly: the shapes it returns are backed by bytes that really exist, so whoever loads the
-# tensors allocates no more than the file's size. `check_config_against_weights` compares a
-# claimed GPTConfig with those shapes, naming the key and both values, on a model built on the
-# meta device (no memory), before the real model is built.
-
-FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # weights' types: bytes a value
-
-
-class TensorInfo(NamedTuple):
-    dtype: str  # safetensors' name: "F32", "BF16", ...
-    shape: tuple[int, ...]
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
-    """name -> (dtype, shape) of every tensor in a safetensors file, from its header alone.
-    Raises CheckpointError naming the file if the header is malformed or claims bytes it lacks."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-            return {k: TensorInfo(s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
-    except SafetensorError as e:
-        raise CheckpointError(f"{path} is not a valid safetensors file: {e}") from None
-
-
-def stored_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint of `model` stores: its state, a tied head once (as wte)."""
-    state = model.state_dict()
-    if model.config.tie_embeddings:
-        del state["lm_head.weight"]
-    return state
-
-
-def stored_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor a checkpoint of `config` stores, from a model built on the
-    meta device: no memory, whatever the config claims."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in stored_state(GPT(config)).items()}
+# `read_safetensors_header` (base/files.py) reads a safetensors file's header alone (no tensor
+# data) through safetensors itself, which refuses a header whose byte ranges do not tile the rest
+# of the file exactly: the shapes it returns are backed by bytes that really exist, so whoever
+# loads the tensors allocates no more than the file's size. `check_config_against_weights`
+# compares a claimed GPTConfig with those shapes, naming the key and both values, on a model built
+# on the meta device (no memory), before the real model is built.
 
 
 def check_config_against_weights(
@@ -129,7 +105,7 @@ def check_config_against_weights(
                 f"model.{key}={claimed!r} disagrees with {source}, which give "
                 f"{key}={actual!r} (from {tensor})"
             )
-    expected = stored_shapes(config)
+    expected = GPT.stored_shapes(config)
     for name in sorted(expected.keys() | tensors.keys()):
         keys = next(k for part, k in _KEYS if part in name)
         if name not in tensors:
@@ -156,10 +132,6 @@ _KEYS = (  # (part of a tensor's name, the config keys that decide its existence
 
 
 # ----- our checkpoints ---------------------------------------------------------------------------
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete or corrupt; the message says which file and why."""
 
 
 def tokenizer_name(run_config: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -256,7 +228,7 @@ def save_checkpoint(
             if write_shards is not None:
                 hashed = write_shards(tmp)
             else:
-                state = {k: v.cpu().contiguous() for k, v in stored_state(model).items()}
+                state = {k: v.cpu().contiguous() for k, v in model.stored_state().items()}
                 save_file(state, str(tmp / MODEL_FILE))
         config = {"model": model.config.to_dict(), "run": run_config, "meta": meta}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -545,25 +517,23 @@ def resume_source(resume: str | None, run_dir: str | Path) -> Path | None:
 #    pytorch_model.bin, the latter read with weights_only=True: no code runs);
 # 3. one of our checkpoint or run directories.
 # Each loads as a `Checkpoint`. A Hugging Face model has no run config of ours; its stand-in has
-# one data section, `HF_DATA` (checkpoints/hf.py: the Shakespeare plays, GPT-2's tokenizer),
-# which is what `evaluate.py checkpoint=gpt2` scores.
+# one data section, `HF_DATA` (the Shakespeare plays, GPT-2's tokenizer), which is what
+# `evaluate.py checkpoint=gpt2` scores. Its weights go through checkpoints/hf.py, imported for
+# such a source alone.
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-# A Hugging Face directory's weights, in order of preference
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 ACCEPTED = (
     f"a GPT-2 name ({', '.join(GPT2_NAMES)}), a Hugging Face GPT-2 directory (config.json + "
-    f"{' or '.join(WEIGHT_FILES)}), or a causalgpt run or checkpoint directory"
+    "model.safetensors or pytorch_model.bin), or a causalgpt run or checkpoint directory"
 )
+HF_DATA = {"name": "shakespeare", "tokenizer": "gpt2"}  # what evaluate.py scores GPT-2 on
 
 
 def is_hf_dir(path: Path) -> bool:
-    """A Hugging Face model directory (ours carry a manifest.json; theirs do not)."""
-    return (
-        (path / "config.json").is_file()
-        and not (path / MANIFEST_FILE).is_file()
-        and any((path / name).is_file() for name in WEIGHT_FILES)
-    )
+    """A Hugging Face model directory: config.json and weights, and no manifest.json (ours carry
+    one; theirs do not)."""
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").is_file() and not (path / MANIFEST_FILE).is_file() and weights
 
 
 def load_source(
@@ -574,13 +544,52 @@ def load_source(
     name, path = str(source), Path(source).expanduser()
     hub = name in GPT2_NAMES and not Path(name).exists()
     if hub or is_hf_dir(path):
-        from checkpoints.hf import download_gpt2, load_hf_dir
-
         ckpt = load_hf_dir(download_gpt2(name) if hub else path, device, **overrides)
         if hub:  # the name, not the hub cache's directory
             ckpt.meta["source"] = name
         return ckpt
     return load_checkpoint(_source_checkpoint(path), device, **overrides)
+
+
+def download_gpt2(name: str) -> Path:
+    """The local directory of GPT-2 `name` in the hub client's cache, downloaded if missing
+    (config.json and model.safetensors only: every GPT-2 repository has safetensors)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{name} is not in the Hugging Face cache and the hub cannot be reached (offline, or "
+            f"HF_HUB_OFFLINE=1); download it once with network access, or point at a local copy: "
+            f"a directory with config.json and model.safetensors, e.g. "
+            f"train.init_from=/path/to/{name} (or checkpoint=/path/to/{name})"
+        ) from None
+    except OSError as e:  # the hub's HTTP errors derive from OSError too
+        raise ConfigError(f"could not download {name} from the Hugging Face hub: {e}") from None
+
+
+def load_hf_dir(path: Path, device: str | torch.device = "cpu", **overrides: Any) -> Checkpoint:
+    """A Hugging Face GPT-2 directory as a Checkpoint (GPT-2's tokenizer, no trainer state)."""
+    from checkpoints.hf import load_hf_gpt2  # for such a source alone
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "gpt2":
+        raise CheckpointError(
+            f"{path} holds a {model_type!r} model; Hugging Face directories must hold GPT-2 "
+            "(model_type 'gpt2' in config.json)"
+        )
+    try:
+        model = load_hf_gpt2(path, **overrides)
+    except (KeyError, RuntimeError) as e:  # missing tensors; unreadable weights
+        raise CheckpointError(f"cannot load the GPT-2 weights in {path}: {e}") from None
+    meta = {"tokenizer": "gpt2", "source": str(path), "step": None}
+    return Checkpoint(path, model.to(device), {"data": dict(HF_DATA)}, meta)
 
 
 def _source_checkpoint(path: Path) -> Path:

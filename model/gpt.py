@@ -494,6 +494,21 @@ class GPT(nn.Module):
         if tied:
             self.lm_head.weight = self.transformer.wte.weight
 
+    def stored_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint of this model stores (checkpoints/store.py): its state, a
+        tied head once (as wte: safetensors stores no tensor twice)."""
+        state = self.state_dict()
+        if self.config.tie_embeddings:
+            del state["lm_head.weight"]
+        return state
+
+    @staticmethod
+    def stored_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor a checkpoint of `config` stores, from a model built on the
+        meta device: no memory, whatever the config claims."""
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in GPT(config).stored_state().items()}
+
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count (tied weights once); by default without position embeddings, as
         GPT-2's model sizes are usually quoted (rope has none to exclude)."""

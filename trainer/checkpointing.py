@@ -131,7 +131,7 @@ class CheckpointManager:
         (trainer.pt's), the moments replaced by their names; and the shards' writer."""
         from checkpoints import sharded  # sharded checkpoints only
 
-        trees = {"model": store.stored_state(model)}
+        trees = {"model": model.stored_state()}
         if states is not None:
             trees["optimizer"] = states["optimizer"]
         mine, entries, trees = sharded.split(trees, self.dist.rank, self.dist.world_size)
@@ -170,7 +170,7 @@ class CheckpointManager:
         full, `best` without the optimizer state."""
         self.disk_reported = True
         full = store.checkpoint_bytes(path)
-        weights = sum(t.numel() * t.element_size() for t in store.stored_state(model).values())
+        weights = sum(t.numel() * t.element_size() for t in model.stored_state().values())
         total = full * (1 + self.keep) + weights
         self.say(
             f"checkpoints: {format_bytes(full)} each; last + {self.keep} step checkpoints "

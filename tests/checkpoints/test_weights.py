@@ -10,12 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checkpoints.store import (
-    check_config_against_weights,
-    read_safetensors_header,
-    stored_shapes,
-    stored_state,
-)
+from base.files import read_safetensors_header
+from checkpoints.store import check_config_against_weights
 from model import GPT
 from tests.conftest import tiny_config
 
@@ -31,7 +27,7 @@ def write_raw(path, header: dict, data_bytes: int) -> None:
 
 def stored(model: GPT) -> dict[str, torch.Tensor]:
     """The tensors as our checkpoints store them, ready for save_file."""
-    return {k: v.contiguous() for k, v in stored_state(model).items()}
+    return {k: v.contiguous() for k, v in model.stored_state().items()}
 
 
 def test_header_matches_what_safetensors_reads(tmp_path):
@@ -111,7 +107,7 @@ def test_the_configs_own_weights_pass(tmp_path, options):
     save_file(stored(GPT(config)), str(tmp_path / "m.safetensors"))
     check_config_against_weights(config, read_safetensors_header(tmp_path / "m.safetensors"))
     big = tiny_config(n_embd=8192, n_layer=24, n_head=16, vocab_size=50257)
-    assert stored_shapes(big)["transformer.wte.weight"] == (50257, 8192)  # 1.6 GB, on meta
+    assert GPT.stored_shapes(big)["transformer.wte.weight"] == (50257, 8192)  # 1.6 GB, on meta
 
 
 @pytest.mark.parametrize(
