@@ -133,7 +133,7 @@ FEATURES = {
         ("trainer/config.py", ["TrainSettings.skip_memory_check"]),
     ],
     "CPU decoding: row-block copy, thread choice, dtype probe": [
-        ("hardware/device.py", ["SplitLinear", "is_sharded", "decodes_from_a_copy"]),
+        ("hardware/device.py", ["SplitLinear", "is_sharded", "decodes_from_a_copy", "decoder_for"]),
         ("hardware/device.py", ["decoding_copy", "cpu_threads", "THREAD_TRIALS"]),
         ("hardware/device.py", ["ThreadChoice", "bf16_decoding_speedup", "cpu_decoding_dtype"]),
         ("hardware/device.py", ["decoding_dtype"]),

@@ -448,6 +448,14 @@ def decoding_copy(
     return decoder
 
 
+def decoder_for(model: nn.Module, quantize: str | None = None) -> nn.Module:
+    """The module decoding runs: a `decoding_copy` where `quantize` asks for low-bit weights or
+    the copy reads faster (`decodes_from_a_copy`), else `model` itself. Sampling's and the
+    server's batch alike."""
+    copied = quantize is not None or decodes_from_a_copy(model)
+    return decoding_copy(model, quantize=quantize) if copied else model
+
+
 @contextlib.contextmanager
 def cpu_threads(n: int) -> Iterator[None]:
     """torch's CPU threads set to `n` inside the block, and back to what they were after."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hardware.device import decodes_from_a_copy, decoding_copy
+from hardware.device import decoder_for
 from inference.generate import SamplingParams, TextStream, next_token, window_start
 from model import GPT
 from model.gpt import KVCache
@@ -135,8 +135,7 @@ class Batcher:
         quantize= does (hardware/device.py's decoding_copy)."""
         self.eot, self.max_batch, self.max_waiting = eot, max_batch, max_waiting
         self.block_size = model.config.block_size
-        copied = quantize is not None or decodes_from_a_copy(model)
-        self.decoder = decoding_copy(model, quantize=quantize) if copied else model
+        self.decoder = decoder_for(model, quantize)
         if model.config.attention == "flash":  # its tiles take every row to end where k does
             raise ValueError("batched decoding needs attention=manual or sdpa, not flash")
         self.cache = model.new_kv_cache(max_batch, kind=RaggedKVCache)

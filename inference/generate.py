@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from base.errors import ConfigError, check, defaults_from, is_int, is_number, yaml_config
-from hardware.device import ThreadChoice, decodes_from_a_copy, decoding_copy, is_sharded
+from hardware.device import ThreadChoice, decoder_for, is_sharded
 from model import GPT
 from model.gpt import KVCache
 
@@ -286,8 +286,7 @@ class TokenContext:
         # On a CPU, a token's matrix-vector products stream the weights faster from the layout
         # of hardware/device.py, in a copy of the model's Linear layers; `quantize`: the copy's
         # weights in 8 or 4 bits
-        copied = quantize is not None or decodes_from_a_copy(model)
-        self.decoder = decoding_copy(model, quantize=quantize) if copied else model
+        self.decoder = decoder_for(model, quantize)
         # `compiled`: each one-token step over the cache through `compiled_step`
         self.step_cache = StepKVCache(self.cache) if compiled and self.cache is not None else None
         # inference_mode: no_grad, and no view or version tracking (~10% less per token); but
