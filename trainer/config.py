@@ -295,6 +295,7 @@ def run_config(
     composed["data"] = absolute_paths(composed["data"])  # the saved config works from anywhere
     settings = _validated(composed)  # a bad value is named as typed, before any comparison
     resume, source = composed["train"].get("resume"), composed["train"].get("init_from")
+    refuse_replacing_a_run(run_dir, resume)
     saved = saved_config(resume, run_dir) if resume is not None else None
     if saved is None:
         if source is not None:  # the source fixes the architecture and the tokenizer
@@ -307,6 +308,25 @@ def run_config(
     defaults = _resolved(compose(config_name=CONFIG_NAME))
     resolved = resumed_config(saved, composed, defaults, keys, resume)
     return _validated(resolved), resolved
+
+
+def refuse_replacing_a_run(run_dir: str | Path, resume: str | None) -> None:
+    """A run dir's checkpoints are replaced only by the run they belong to: a new run there
+    (train.init_from too), or a resume of another run's checkpoint, would write its own `last`,
+    `best` and .hydra/ config over them, so it is refused. train.resume=auto continues the run,
+    and a resume from one of its own checkpoints rolls it back."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    held = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
+    if not held or resume == "auto":
+        return
+    source = resume_source(resume, run_dir)
+    if source is not None and source.resolve().is_relative_to(Path(run_dir).resolve()):
+        return
+    raise ConfigError(
+        f"the run directory {Path(run_dir).absolute()} already holds a run's checkpoints "
+        f"({', '.join(held)}), which this run would replace; continue it with "
+        "train.resume=auto, or give this run a directory of its own (hydra.run.dir)"
+    )
 
 
 def requested_model(

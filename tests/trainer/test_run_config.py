@@ -11,8 +11,15 @@ from omegaconf import OmegaConf
 import base.files
 from base.errors import ConfigError
 from checkpoints.store import MODEL_FILE
-from tests.conftest import CONFIGS, TINY, compose_run, load_preset, make_trainer
-from trainer.config import resumed_config, run_config, saved_config
+from tests.conftest import (
+    CONFIGS,
+    TINY,
+    compose_run,
+    load_preset,
+    make_trainer,
+    save_tiny_checkpoint,
+)
+from trainer.config import refuse_replacing_a_run, resumed_config, run_config, saved_config
 from trainer.loop import Trainer
 
 
@@ -122,3 +129,21 @@ def test_train_py_trains_each_preset_at_its_own_context(preset):
     with initialize_config_dir(config_dir=CONFIGS, version_base=None):
         trained = compose("train", overrides=[f"model={preset}"])
     assert trained.model.block_size == load_preset(preset)["block_size"]
+
+
+def test_a_run_dir_holding_checkpoints_is_continued_or_rolled_back_never_replaced(
+    trained_run, tmp_path
+):
+    """A new run, or a resume of another run's checkpoint, in a run dir that holds checkpoints
+    would write over them: refused. Its own run continues (auto) or rolls back (its step or best
+    checkpoint); an empty or new dir takes any run."""
+    other, _ = save_tiny_checkpoint(tmp_path)
+    for resume in (None, str(other)):
+        with pytest.raises(ConfigError, match=r"already holds a run's checkpoints \(best, last\)"):
+            refuse_replacing_a_run(trained_run, resume)
+    for resume in ("auto", str(trained_run / "checkpoints" / "best"), str(trained_run)):
+        refuse_replacing_a_run(trained_run, resume)
+    (tmp_path / "new" / "checkpoints").mkdir(parents=True)
+    for resume in (None, str(other)):
+        refuse_replacing_a_run(tmp_path / "new", resume)
+        refuse_replacing_a_run(tmp_path / "absent", resume)

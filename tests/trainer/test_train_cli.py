@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,3 +328,23 @@ def test_the_step_profile_splits_a_step_by_its_work(tmp_path, corpus):
     assert shares["matmuls (Linear layers, head)"] > 0 and shares["optimizer (AdamW.step)"] > 0
     assert "data (next_batch)" in shares
     assert "| `aten::mm` | matmuls (Linear layers, head) |" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["a new run", "a resume of another run"])
+def test_a_run_dir_holding_a_run_is_refused_touching_nothing(tmp_path, corpus, trained_run, how):
+    """`python train.py hydra.run.dir=<a finished run>` without train.resume=auto once trained
+    from scratch over its checkpoints and config: one line, exit 2, every file as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    # trained_run's budget, 12 steps, is spent: a resume of it trains 2 more
+    resume = [] if how == "a new run" else [f"train.resume={trained_run}", "train.max_steps=14"]
+    result = run_script(
+        "train.py", *TINY, *corpus, f"hydra.run.dir={run_dir}", *resume, cwd=tmp_path
+    )
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith(
+        f"error: the run directory {run_dir} already holds a run's checkpoints (best, last)"
+    )
+    assert "continue it with train.resume=auto" in result.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
