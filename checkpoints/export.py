@@ -35,7 +35,7 @@ from base.errors import ConfigError, boolean, choice
 from base.files import atomic_path, writable_error, write_dir_atomic
 from checkpoints.hf import CONV1D_WEIGHTS, FIELDS, HF_FIXED, hf_keys, needs
 from checkpoints.llamacpp import DTYPES, gguf_writer, write_gguf
-from checkpoints.store import Checkpoint, find_checkpoint, load_source
+from checkpoints.store import MANIFEST_FILE, Checkpoint, find_checkpoint, load_source
 from data.chat import CHAT_TEMPLATE, IM_END, TEMPLATE
 from data.tokenizer import gpt2_bpe_files
 from model import GPTConfig
@@ -77,6 +77,7 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
         )
     source = cfg.get("checkpoint")
     ckpt = load_source(find_checkpoint() if source is None else source)
+    _refuse_checkpoints(out, ckpt.path)
     if as_gguf:  # everything checked, and the file built in memory, before anything is written
         _architecture(ckpt.model.config, LLAMA_CPP)
         writer = gguf_writer(hf_files(ckpt), ckpt.tokenizer(), dtype)
@@ -88,6 +89,18 @@ def export_checkpoint(cfg: dict[str, Any]) -> Path:
     _check_parent(out)
     write_dir_atomic(out, lambda tmp: _write_files(tmp, files))
     return out
+
+
+def _refuse_checkpoints(out: Path, source: Path) -> None:
+    """`out` may not hold the checkpoint exported or a run's checkpoints (the export replaces
+    `out` whole), nor lie in a checkpoint (a save replaces that whole, the export with it)."""
+    why = ""
+    if source.resolve().is_relative_to(out.resolve()) or (out / "checkpoints").is_dir():
+        why = "holds checkpoints (the one exported, or a run's), which the export would delete"
+    elif held := next((d for d in out.parents if (d / MANIFEST_FILE).is_file()), None):
+        why = f"lies in the checkpoint {held}, which its run's next save replaces whole"
+    if why:
+        raise ConfigError(f"out={out} {why}; give out a place of its own, e.g. out=exports/<name>")
 
 
 def _check_parent(out: Path) -> None:

@@ -171,6 +171,35 @@ def test_a_non_empty_out_is_kept_unless_overwrite(tmp_path):
         export(tmp_path, path, overwrite="maybe")  # as every boolean key, not taken as false
 
 
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_overwrite_never_replaces_a_checkpoint_nor_writes_into_one(tmp_path, fmt):
+    """overwrite=true once deleted the run exported when out was its run dir (or held it), and
+    would have replaced any run's; an export inside a checkpoint vanished at the next save."""
+    path, _ = save_tiny_checkpoint(tmp_path / "other")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    path.rename(run / "checkpoints" / "last")
+    other, _ = save_tiny_checkpoint(tmp_path / "other")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    name = "model.gguf" if fmt == "gguf" else "hf"
+    refused = {
+        (run, run): "holds checkpoints",
+        (run, tmp_path): "holds checkpoints",  # it holds the run
+        (other, run): "holds checkpoints",  # another run's
+        (run, run / "checkpoints" / "last" / name): "lies in the checkpoint",
+    }
+    for (source, out), why in refused.items():
+        cfg = {"checkpoint": str(source), "out": str(out), "overwrite": True, "format": fmt}
+        if fmt == "gguf" and out.is_dir():  # refused before anything is loaded
+            why = "is a directory; format=gguf writes one file"
+        with pytest.raises(ConfigError, match=f"out={out} {why}"):
+            export_checkpoint(cfg)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    out = run / "exports" / name  # beside the checkpoints, in the run dir: taken
+    cfg = {"checkpoint": str(run), "out": str(out), "overwrite": True, "format": fmt}
+    assert export_checkpoint(cfg) == out and out.exists()
+
+
 @pytest.mark.parametrize("out", ["x", "x.gguf"])
 def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path, out):
     path, _ = save_tiny_checkpoint(tmp_path)
