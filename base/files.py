@@ -15,18 +15,20 @@ follows the umask and teammates can read it where the umask allows.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from safetensors import SafetensorError, safe_open
 
 from base.errors import CheckpointError, DataError
 
+MAX_JSON_BYTES = 16 << 20  # a model's config.json, our manifest.json: a few KB
 HASH_CHUNK = 1 << 20  # bytes per read when hashing; 1 MiB measured fastest (0.25-8 MiB tried)
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # weights' types: bytes a value
 
@@ -34,6 +36,22 @@ FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # weights' types: byte
 class TensorInfo(NamedTuple):
     dtype: str  # safetensors' name: "F32", "BF16", ...
     shape: tuple[int, ...]
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`, a checkpoint's or a model directory's (config.json, ours or
+    Hugging Face's; manifest.json), which may be untrusted: one too large to be a model's is
+    refused unread (no reading gigabytes), one that is not a JSON object is corrupt; each a
+    one-line CheckpointError."""
+    if (size := file.stat().st_size) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file} has {size:,} bytes: too large to be a model's")
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} is corrupt: not a JSON object")
+    return value
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:

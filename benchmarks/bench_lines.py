@@ -112,7 +112,7 @@ FEATURES = {
         ("base/errors.py", ["_group_choice_error"]),
     ],
     "untrusted checkpoints: headers and shapes checked before loading": [
-        ("checkpoints/store.py", ["MAX_JSON_BYTES"]),
+        ("base/files.py", ["MAX_JSON_BYTES", "read_json_object"]),
         ("base/files.py", ["FLOAT_DTYPES", "TensorInfo", "read_safetensors_header"]),
         ("model/gpt.py", ["GPT.stored_shapes"]),
         ("checkpoints/store.py", ["check_config_against_weights", "_KEYS", "verify_checkpoint"]),

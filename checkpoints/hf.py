@@ -11,7 +11,6 @@ through the hub client) or a HF directory alone.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from base.errors import CheckpointError
-from base.files import read_safetensors_header
+from base.files import read_json_object, read_safetensors_header
 from model.gpt import GPT, GPTConfig
 
 # A Hugging Face directory's weights, in order of preference
@@ -119,12 +118,7 @@ HF_SIZES = [  # the keys of GPT-2's integers: a config.json must give positive i
 def read_hf_config(file: Path) -> dict[str, Any]:
     """A Hugging Face GPT-2 config.json, every key we read checked (type, range, value) and
     named in a one-line CheckpointError. Other keys (labels, token ids, ...) do not affect us."""
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{file} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file} is not a JSON object")
+    config = read_json_object(file)
     for key in HF_SIZES:
         value = config.get(key)  # None: absent, or n_inner's "4 * n_embd"
         if value is not None and (type(value) is not int or value <= 0):

@@ -43,6 +43,7 @@ from base.errors import CheckpointError, ConfigError
 from base.files import (
     FLOAT_DTYPES,
     TensorInfo,
+    read_json_object,
     read_safetensors_header,
     recover_swap,
     sha256_file,
@@ -63,9 +64,6 @@ CONFIG_FILE = "config.json"
 TRAINER_FILE = "trainer.pt"
 MANIFEST_FILE = "manifest.json"
 SHARDS_FILE = "shards.json"  # a sharded checkpoint's, in model.safetensors' place
-
-
-MAX_JSON_BYTES = 16 << 20  # config.json and manifest.json are a few KB
 
 
 # ----- what a weights file says ------------------------------------------------------------------
@@ -332,15 +330,7 @@ def _json_object(path: Path, name: str) -> tuple[Path, dict[str, Any]]:
     if not is_complete(path):
         raise CheckpointError(f"no complete checkpoint at {path} (no {MANIFEST_FILE})")
     file = _inside(path, name)
-    if file.stat().st_size > MAX_JSON_BYTES:  # an untrusted checkpoint cannot make us read GBs
-        raise CheckpointError(f"{file} has {file.stat().st_size:,} bytes: too large to be ours")
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{file} is corrupt: {e}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{file} is corrupt: not a JSON object")
-    return file, value
+    return file, read_json_object(file)
 
 
 def _inside(path: Path, name: str) -> Path:

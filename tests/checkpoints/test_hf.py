@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import base.files
 from checkpoints import hf
 from checkpoints.hf import FIELDS, load_hf_gpt2
 from model.gpt import GPTConfig
@@ -161,7 +163,17 @@ def test_a_foreign_config_json_is_one_error_before_any_tensor_is_read(
 def test_a_config_json_that_is_not_an_object_is_one_error(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="is not a JSON object"):
+    with pytest.raises(ValueError, match="config.json is corrupt: not a JSON object"):
+        load_hf_gpt2(tmp_path)
+
+
+def test_an_oversized_config_json_is_refused_before_it_is_read(hf_model, tmp_path, monkeypatch):
+    """A downloaded model directory cannot make the loader read gigabytes of JSON either."""
+    hf_model.save_pretrained(tmp_path)
+    size = (tmp_path / "config.json").stat().st_size
+    monkeypatch.setattr(base.files, "MAX_JSON_BYTES", size - 1)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("config.json was read"))
+    with pytest.raises(ValueError, match=f"config.json has {size:,} bytes: too large to be a"):
         load_hf_gpt2(tmp_path)
 
 

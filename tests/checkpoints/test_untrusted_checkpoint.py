@@ -20,6 +20,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import base.files
 import checkpoints.store as checkpoint_module
 from base.files import sha256_file
 from checkpoints.store import (
@@ -218,9 +219,9 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(ckpt, capsys, monkey
     """A checkpoint cannot make the loader read gigabytes of JSON: past MAX_JSON_BYTES (here
     lowered to a size the real manifest exceeds) the file is refused without being opened."""
     size = (ckpt / MANIFEST_FILE).stat().st_size
-    monkeypatch.setattr(checkpoint_module, "MAX_JSON_BYTES", size - 1)
+    monkeypatch.setattr(base.files, "MAX_JSON_BYTES", size - 1)
     monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the manifest was read"))
-    assert f"has {size:,} bytes: too large to be ours" in sample_error(ckpt, capsys)
+    assert f"has {size:,} bytes: too large to be a model's" in sample_error(ckpt, capsys)
 
 
 def test_a_symlinked_file_leading_out_is_refused(ckpt, tmp_path, capsys):
