@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -157,10 +157,12 @@ def aside(path: Path) -> Path:
 
 def recover_swap(path: str | Path) -> None:
     """Put the previous directory back if a crash came between the two renames of a swap
-    (moved aside, the new one not yet in). Readers call it before looking at `path`."""
+    (moved aside, the new one not yet in). Readers call it before looking at `path`: every
+    rank of a restarted torchrun job at once, so another may put it back first."""
     path = Path(path)
     if not path.exists() and aside(path).exists():
-        os.replace(aside(path), path)
+        with suppress(FileNotFoundError):  # the aside is gone: put back by the other reader
+            os.replace(aside(path), path)
 
 
 def link_files(source: Path, target: Path) -> None:

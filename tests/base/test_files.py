@@ -94,6 +94,23 @@ def test_a_failed_rename_in_puts_the_old_directory_back(
     assert (path / "a").read_text() == "old" and os.listdir(tmp_path) == ["d"]
 
 
+def test_two_readers_recovering_one_swap_at_once_both_find_it(tmp_path, monkeypatch) -> None:
+    """Every rank of a restarted torchrun job checks `last` at once: the one that finds the
+    aside already put back (between its check and its rename) goes on, and finds it there."""
+    path = tmp_path / "d"
+    write_dir_atomic(path, fill("old"))
+    os.replace(path, tmp_path / ".d.old")  # killed between the two renames
+    real = os.replace
+
+    def the_other_reader_first(src, dst):  # the other rank's rename, then this one's
+        real(src, dst)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", the_other_reader_first)
+    recover_swap(path)
+    assert (path / "a").read_text() == "old" and os.listdir(tmp_path) == ["d"]
+
+
 def test_a_swap_cut_short_is_recovered_and_crash_debris_removed(tmp_path: Path) -> None:
     path = tmp_path / "d"
     write_dir_atomic(path, fill("old"))
