@@ -499,6 +499,10 @@ class Trainer:
             self._restarted(resumed if self.resumed_from else "no checkpoint yet, so from step 0")
         elif self.resumed_from is not None:
             self.progress.message(resumed)
+        elif self.cfg.train.resume == "auto":  # said: a mistyped hydra.run.dir resumes nothing
+            self.progress.message(
+                f"train.resume=auto: no checkpoint in {self.run_dir} yet, so from step 0"
+            )
         self.progress.start(self.state.step)
 
     def _restarted(self, resumed: str) -> None:

@@ -49,9 +49,13 @@ def test_the_resume_command_works_verbatim_after_kill_9(tmp_path, corpus):
         text=True,
         env={**os.environ, "WANDB_MODE": "disabled"},
     )
+    started = []
     for line in proc.stdout:  # after step 5, step 4's checkpoint is complete
+        started.append(line)
         if line.startswith("step 5 "):
             break
+    # nothing to resume yet, and said so: a new run, not a resumed one
+    assert f"train.resume=auto: no checkpoint in {run_dir} yet, so from step 0\n" in started
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
