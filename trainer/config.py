@@ -325,7 +325,8 @@ def refuse_replacing_a_run(run_dir: str | Path, resume: str | None) -> None:
     raise ConfigError(
         f"the run directory {Path(run_dir).absolute()} already holds a run's checkpoints "
         f"({', '.join(held)}), which this run would replace; continue it with "
-        "train.resume=auto, or give this run a directory of its own (hydra.run.dir)"
+        "train.resume=auto, or give this run a directory of its own (hydra.run.dir; a "
+        "sweep's: hydra.sweep.dir)"
     )
 
 

@@ -180,8 +180,7 @@ def test_an_interrupted_run_resumes_verbatim_from_the_printed_command(
 
 def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
     sweep_dir = tmp_path / "sweep"
-    result = run_script(
-        "train.py",
+    sweep = [
         "-m",
         *TINY,
         *corpus,
@@ -189,8 +188,8 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         "train.eval_interval=0",
         "optim.lr=1e-3,3e-3",
         f"hydra.sweep.dir={sweep_dir}",
-        cwd=tmp_path,
-    )
+    ]
+    result = run_script("train.py", *sweep, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lrs = sorted(
         load_checkpoint(sweep_dir / str(i) / "checkpoints" / "last").run_config["optim"]["lr"]
@@ -203,6 +202,13 @@ def test_a_sweep_runs_each_value_in_its_own_directory(tmp_path, corpus):
         final = json.loads((sweep_dir / str(n) / "metrics.jsonl").read_text().splitlines()[-1])
         loss, bpb = final["final_val_loss"], final["final_val_bpb"]
         assert table[2 + n] == f"| {n} | {lr} | 2 | {loss:.4f} | {bpb:.4f} |"
+    # the same sweep again would train over both runs: refused before the first job starts
+    before = {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()}
+    again = run_script("train.py", *sweep, cwd=tmp_path)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert again.stderr.startswith("error: sweep job 0 (") and "hydra.sweep.dir" in again.stderr
+    assert f"the run directory {sweep_dir / '0'} already holds a run's checkpoints" in again.stderr
+    assert {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()} == before
 
 
 def test_a_sweep_with_a_bad_job_fails_before_the_first_trains(tmp_path, corpus):
