@@ -103,9 +103,14 @@ def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> 
 
 
 def destroy() -> None:
-    """Leave the process group (a clean exit; torchrun warns about a group left open)."""
+    """Leave the process groups (a clean exit; torchrun warns about a group left open), and
+    let go of the slow one: a gloo group still held keeps its worker threads past
+    destroy_process_group, and their teardown at interpreter exit can abort a finished run
+    ("terminate called without an active exception", pytorch issue 190489)."""
+    global _slow_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _slow_group = None
 
 
 def barrier(slow: bool = False) -> None:

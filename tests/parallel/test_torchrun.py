@@ -348,3 +348,29 @@ def test_ddp_and_fsdp_train_through_the_triton_kernel_as_through_manual(
     reference = weights(ddp_run[0])
     for name, tensor in weights(run).items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5, msg=name)
+
+
+LEAVE = """
+import os, torch
+from hardware import distributed
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+distributed.init_distributed(distributed.DistInfo.from_env(), torch.device("cpu"), 30)
+distributed.barrier(slow=True)  # both groups used: the default and the slow one
+distributed.all_reduce_max([1.0], torch.device("cpu"))
+distributed.destroy()
+print("threads", before, threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_leaving_the_process_groups_leaves_no_gloo_thread_behind(tmp_path):
+    """A gloo group still held after destroy_process_group keeps its worker threads, and their
+    teardown at interpreter exit aborted a finished FSDP run once in CI ("terminate called
+    without an active exception", pytorch issue 190489): after `destroy`, each rank has the
+    threads it had before `init_distributed`."""
+    (tmp_path / "leave.py").write_text(LEAVE)
+    result = torchrun(tmp_path / "leave.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    counts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("threads")]
+    assert len(counts) == 2 and all(before == after for before, after in counts), counts
