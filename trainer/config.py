@@ -295,8 +295,9 @@ def run_config(
     composed["data"] = absolute_paths(composed["data"])  # the saved config works from anywhere
     settings = _validated(composed)  # a bad value is named as typed, before any comparison
     resume, source = composed["train"].get("resume"), composed["train"].get("init_from")
-    refuse_replacing_a_run(run_dir, resume)
-    saved = saved_config(resume, run_dir) if resume is not None else None
+    resumed = resume_source(resume, run_dir)  # the checkpoint train.resume names, if any
+    refuse_replacing_a_run(run_dir, resume, resumed)
+    saved = saved_config(resumed, run_dir) if resume is not None else None
     if saved is None:
         if source is not None:  # the source fixes the architecture and the tokenizer
             default_model = _resolved(compose(config_name=CONFIG_NAME))["model"]
@@ -310,17 +311,17 @@ def run_config(
     return _validated(resolved), resolved
 
 
-def refuse_replacing_a_run(run_dir: str | Path, resume: str | None) -> None:
+def refuse_replacing_a_run(run_dir: str | Path, resume: str | None, resumed: Path | None) -> None:
     """A run dir's checkpoints are replaced only by the run they belong to: a new run there
-    (train.init_from too), or a resume of another run's checkpoint, would write its own `last`,
-    `best` and .hydra/ config over them, so it is refused. train.resume=auto continues the run,
-    and a resume from one of its own checkpoints rolls it back."""
+    (train.init_from too), or a resume of another run's checkpoint (`resumed`, the one
+    `train.resume` names), would write its own `last`, `best` and .hydra/ config over them, so
+    it is refused. train.resume=auto continues the run, and a resume from one of its own
+    checkpoints rolls it back."""
     checkpoints = Path(run_dir) / "checkpoints"
     held = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
     if not held or resume == "auto":
         return
-    source = resume_source(resume, run_dir)
-    if source is not None and source.resolve().is_relative_to(Path(run_dir).resolve()):
+    if resumed is not None and resumed.resolve().is_relative_to(Path(run_dir).resolve()):
         return
     raise ConfigError(
         f"the run directory {Path(run_dir).absolute()} already holds a run's checkpoints "
@@ -371,13 +372,12 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
-def saved_config(resume: str, run_dir: str | Path) -> dict[str, Any] | None:
-    """The config of the run `train.resume` continues: its checkpoint's; for `auto` in a run
-    stopped before its first checkpoint, its `.hydra/config.yaml`; None for a new run dir.
-    The checkpoint is verified once, when the Trainer loads it."""
-    source = resume_source(resume, run_dir)
-    if source is not None:
-        return read_config(source)["run"]
+def saved_config(resumed: Path | None, run_dir: str | Path) -> dict[str, Any] | None:
+    """The config of the run `train.resume` continues: its checkpoint's (`resumed`); for `auto`
+    in a run stopped before its first checkpoint (no `resumed`), its `.hydra/config.yaml`; None
+    for a new run dir. The checkpoint is verified once, when the Trainer loads it."""
+    if resumed is not None:
+        return read_config(resumed)["run"]
     saved = Path(run_dir) / HYDRA_DIR / "config.yaml"
     return OmegaConf.to_container(OmegaConf.load(saved), resolve=True) if saved.is_file() else None
 

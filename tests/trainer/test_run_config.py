@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 import base.files
 from base.errors import ConfigError
-from checkpoints.store import MODEL_FILE
+from checkpoints.store import MODEL_FILE, resume_source
 from tests.conftest import (
     CONFIGS,
     TINY,
@@ -84,10 +84,10 @@ def test_a_recipe_that_changes_the_model_is_refused():
 
 
 def test_a_run_stopped_before_its_first_checkpoint_resumes_its_hydra_config(tmp_path):
-    assert saved_config("auto", tmp_path) is None  # a new run dir: nothing to restore
+    assert saved_config(None, tmp_path) is None  # a new run dir: nothing to restore
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(SAVED, tmp_path / ".hydra" / "config.yaml")
-    assert saved_config("auto", tmp_path) == SAVED
+    assert saved_config(None, tmp_path) == SAVED  # auto, with no checkpoint yet
 
 
 def test_the_run_config_holds_absolute_data_paths(tmp_path, monkeypatch):
@@ -138,12 +138,16 @@ def test_a_run_dir_holding_checkpoints_is_continued_or_rolled_back_never_replace
     would write over them: refused. Its own run continues (auto) or rolls back (its step or best
     checkpoint); an empty or new dir takes any run."""
     other, _ = save_tiny_checkpoint(tmp_path)
+
+    def refuse(run_dir, resume):  # as run_config calls it
+        refuse_replacing_a_run(run_dir, resume, resume_source(resume, run_dir))
+
     for resume in (None, str(other)):
         with pytest.raises(ConfigError, match=r"already holds a run's checkpoints \(best, last\)"):
-            refuse_replacing_a_run(trained_run, resume)
+            refuse(trained_run, resume)
     for resume in ("auto", str(trained_run / "checkpoints" / "best"), str(trained_run)):
-        refuse_replacing_a_run(trained_run, resume)
+        refuse(trained_run, resume)
     (tmp_path / "new" / "checkpoints").mkdir(parents=True)
     for resume in (None, str(other)):
-        refuse_replacing_a_run(tmp_path / "new", resume)
-        refuse_replacing_a_run(tmp_path / "absent", resume)
+        refuse(tmp_path / "new", resume)
+        refuse(tmp_path / "absent", resume)
