@@ -102,13 +102,18 @@ def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> 
     return device
 
 
-def destroy() -> None:
+def destroy(clean: bool = True) -> None:
     """Leave the process groups (a clean exit; torchrun warns about a group left open), and
     let go of the slow one: a gloo group still held keeps its worker threads past
     destroy_process_group, and their teardown at interpreter exit can abort a finished run
-    ("terminate called without an active exception", pytorch issue 190489)."""
+    ("terminate called without an active exception", pytorch issue 190489). After a `clean`
+    run, only once every rank is past its last collective: a rank tearing gloo down while a
+    peer still finishes one aborts the peer the same way. After a failure, at once: a dead
+    peer would never arrive."""
     global _slow_group
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
     _slow_group = None
 

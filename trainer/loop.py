@@ -445,7 +445,7 @@ class Trainer:
                 self.sampler.close()
             # The DDP wrapper holds the process group; freed after it, at exit, gloo can hang.
             self.step_model = self.model
-            distributed.destroy()
+            distributed.destroy(clean=exit_code == 0)
         self._report(summary)
         return summary
 
